@@ -1,0 +1,195 @@
+"""The run configuration: one pydantic model, so the TOML file, the CLI flags and the Prefect UI
+form share the same fields, defaults, help text and validation.
+
+The defaults are the embedded demo: four regions with one learner each, one region at a third of
+the speed, the `tiny` model, twelve outer rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{1,40}[a-z0-9]$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased as one line naming the field and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InnerSettings(_Section):
+    """Each learner's own optimizer (AdamW); its state never leaves the learner."""
+
+    lr: float = Field(1e-3, gt=0, description="Peak inner AdamW learning rate.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warm-up, in inner steps.")
+    total_steps: int = Field(600, gt=0, description="Inner steps over which the cosine decays to min_lr_ratio.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    batch_size: int = Field(16, gt=0, description="Sequences per inner step.")
+
+
+class MergeSettings(_Section):
+    """How the synchronizer turns the deltas that arrived into one outer step."""
+
+    outer_lr: float = Field(
+        0.5, gt=0, le=2, description="Outer Nesterov learning rate η (damped below the papers' 0.7 for partial, stale quorums)."
+    )
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum μ.")
+    staleness_lambda: float = Field(0.5, ge=0, description="Weight = tokens / (1 + λ·staleness).")
+    max_staleness: int = Field(4, ge=0, description="Deltas staler than this many rounds are dropped (recorded).")
+    token_cap: float = Field(2.0, ge=1, description="A token claim counts at most this × the median of its peers.")
+
+
+class QuorumSettings(_Section):
+    """When an outer round stops collecting."""
+
+    min_quorum: int = Field(2, ge=1, description="Q_min: learners with a fresh delta needed before the grace window opens.")
+    max_quorum: int | None = Field(None, ge=1, description="Q_max: close at once with this many (default: every learner).")
+    grace_max_s: float = Field(20.0, ge=0, description="Longest extra wait for learners expected soon after Q_min.")
+    round_timeout_s: float = Field(600.0, gt=0, description="Hard deadline of a round; merge what arrived, or fail with none.")
+    poll_s: float = Field(0.5, gt=0, description="How often the synchronizer lists the regional buckets.")
+
+
+class RunConfig(BaseModel):
+    """Everything a training run needs; every field has a default that works on one machine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str | None = Field(None, description="Run name (lowercase, digits, '-'); a fresh one when empty.")
+    regions: list[str] = Field(["us-east", "eu-west", "ap-south", "sa-east"], description="One bucket and work pool per region.")
+    learners_per_region: int = Field(1, ge=1, le=64, description="Learners in each region.")
+    rounds: int = Field(12, ge=1, description="Outer rounds to publish after round 0.")
+    inner_steps: int = Field(50, description="H: inner steps per phase between two deltas.")
+    model: Literal["tiny", "small"] = Field("tiny", description="Model preset: tiny (~0.9M params) or small (~11M).")
+    corpus: str = Field("stdlib", description="fsspec URL or glob of the training text; 'stdlib' = Python's own sources.")
+    seed: int = Field(0, description="Seed of the initial model and of every learner's data order.")
+    speed: dict[str, float] = Field(
+        {"eu-west": 0.33}, description="Per-region compute speed (1 = full); a slower region really takes longer."
+    )
+    codec: Literal["fp32", "bf16"] = Field("fp32", description="Wire format of deltas.")
+    store: str | None = Field(
+        None, description="Bucket URL template with {bucket}, e.g. s3://islands-{bucket}; empty = the embedded S3 endpoint."
+    )
+    learner_deployment: str = Field(
+        "learner/local", description="Deployment that runs learners; '{region}' is replaced by the learner's region."
+    )
+    learner_wait_s: float = Field(5.0, ge=0, description="Longest a learner waits for a newer round before training on.")
+    torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
+    eval_batches: int = Field(16, gt=0, description="Held-out batches the synchronizer evaluates each round.")
+    inner: InnerSettings = InnerSettings()
+    merge: MergeSettings = MergeSettings()
+    quorum: QuorumSettings = QuorumSettings()
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.match(v):
+            raise ValueError("use 3–42 lowercase letters, digits or '-', e.g. run-7f3a")
+        return v
+
+    @field_validator("regions")
+    @classmethod
+    def _regions(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("give at least one region")
+        bad = [r for r in v if not _NAME.match(r) or r == "global"]
+        if bad:
+            raise ValueError(f"{bad} are not usable as bucket names; use lowercase letters, digits and '-'")
+        if len(set(v)) != len(v):
+            raise ValueError("regions must be distinct")
+        return v
+
+    @field_validator("inner_steps")
+    @classmethod
+    def _h(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"must be a positive number of inner steps, got {v}")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str | None) -> str | None:
+        if v is not None and "{bucket}" not in v:
+            raise ValueError("must contain '{bucket}', e.g. s3://islands-{bucket} or file:///data/islands/{bucket}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        n = self.num_learners
+        unknown = sorted(set(self.speed) - set(self.regions))
+        if unknown:
+            raise ValueError(f"speed: unknown region {unknown[0]!r}; regions are {', '.join(self.regions)}")
+        slow = {r: f for r, f in self.speed.items() if not 0 < f <= 1}
+        if slow:
+            raise ValueError(f"speed: {slow} must be in (0, 1]")
+        if self.quorum.min_quorum > n:
+            raise ValueError(f"quorum.min_quorum: {self.quorum.min_quorum} is more than the {n} learners; lower it or add learners")
+        if self.quorum.max_quorum is not None and not self.quorum.min_quorum <= self.quorum.max_quorum <= n:
+            raise ValueError(f"quorum.max_quorum: must lie between min_quorum and the {n} learners")
+        return self
+
+    @property
+    def num_learners(self) -> int:
+        return len(self.regions) * self.learners_per_region
+
+    @property
+    def max_quorum(self) -> int:
+        return self.quorum.max_quorum or self.num_learners
+
+    def learners(self) -> list[tuple[str, str, int]]:
+        """(learner, region, global index) for every learner, in a fixed order."""
+        out = []
+        for i in range(self.learners_per_region):
+            for region in self.regions:
+                out.append((f"{region}-{i}", region, len(out)))
+        return sorted(out, key=lambda t: t[2])
+
+    def threads_per_learner(self) -> int:
+        return self.torch_threads or max(1, (os.cpu_count() or 1) // self.num_learners)
+
+    def slowdown(self, region: str) -> float:
+        return 1.0 / self.speed.get(region, 1.0)
+
+
+def explain(exc: ValidationError) -> str:
+    """One line per problem: the field's dotted path, what was wrong, what to do."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling against the README's config reference"
+        lines.append(f"{where}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(path: Path | None, overrides: dict) -> RunConfig:
+    """TOML file (optional) with CLI overrides on top; raise ConfigError naming the field."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"--config: {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config: {path} is not valid TOML ({exc})") from exc
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[key] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(explain(exc)) from exc

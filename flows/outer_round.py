@@ -1,0 +1,75 @@
+"""The outer-round flow: collect → merge → publish for one round; one flow run per round.
+
+Everything it needs is read from the global bucket, so retrying a failed run of this flow (from
+the UI, the API or `islands resume`) finishes the round from what is already in storage.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from flows.artifacts import publish_round_artifacts
+from flows.config import RunConfig
+from storage import layout
+from storage.manifest import Manifest
+from storage.rounds import latest_round, read_config, read_manifest
+from storage.store import Stores
+from tasks.collect import collect
+from tasks.merge_step import merge
+from tasks.publish import publish
+from tasks.round_state import RoundState
+
+
+def _name() -> str:
+    p = flow_run.parameters
+    return f"{p['run_id']}/round-{p['round']:03d}"
+
+
+def summarize(manifest: Manifest) -> dict:
+    """The per-round facts the driver prints and reports."""
+    return {
+        "round": manifest.round,
+        "closed_by": manifest.quorum.closed_by,
+        "learners": ", ".join(f"{c.learner}@s{c.staleness}" for c in manifest.contributions),
+        "received": manifest.quorum.received,
+        "waited_s": manifest.quorum.waited_s,
+        "eval_loss": manifest.eval_loss,
+        "bytes_in": sum(c.bytes for c in manifest.contributions),
+        "bytes_out": manifest.model.bytes + (manifest.outer.bytes if manifest.outer else 0),
+        "excluded": [f"{e.key}: {e.reason}" for e in manifest.excluded],
+        "tokens": sum(c.tokens for c in manifest.contributions),
+    }
+
+
+@flow(name="outer-round", flow_run_name=_name)
+def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - the UI form says "round"
+    """Publish round `round` of run `run_id` from the deltas waiting in the regional buckets."""
+    log = get_run_logger()
+    stores = Stores(store, [])
+    config = RunConfig.model_validate(read_config(stores.global_, run_id))
+    stores = Stores(store, config.regions)
+    newest = latest_round(stores.global_, run_id)
+    if newest is not None and newest >= round:
+        log.info("%s round %d is already published; nothing to do", run_id, round)
+        return summarize(read_manifest(stores.global_, run_id, round)[0])
+    t0 = time.perf_counter()
+    state = RoundState.load(config, run_id, stores)
+    if state.round != round:
+        raise RuntimeError(f"{run_id}: round {round} cannot be published before round {state.round}")
+    t1 = time.perf_counter()
+    collected = collect(state)
+    t2 = time.perf_counter()
+    merged = merge(state, collected)
+    t3 = time.perf_counter()
+    timings = {"load_s": round_s(t1 - t0), "collect_s": round_s(t2 - t1), "merge_s": round_s(t3 - t2)}
+    published = publish(state, collected, merged, timings)
+    manifest_url = f"{stores.global_.url}/{layout.manifest_key(run_id, round)}"
+    publish_round_artifacts(published.manifest, manifest_url)
+    return {**summarize(published.manifest), "outcome": published.outcome}
+
+
+def round_s(seconds: float) -> float:
+    return round(seconds, 3)

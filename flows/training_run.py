@@ -1,0 +1,149 @@
+"""The training-run flow (the driver): create or continue a run, launch learners, run outer
+rounds until the target, stop the learners, report.
+
+Learners are flow runs of a deployment, so on a cluster each runs in its region's work pool and
+on one machine the local runner starts them as processes — the same call either way.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run
+from prefect.states import Cancelling
+
+from flows.artifacts import RunProgress, publish_report
+from flows.config import RunConfig
+from flows.outer_round import outer_round, summarize
+from flows.progress import ProgressView
+from storage import layout
+from storage.rounds import latest_round, object_metadata, read_chain
+from storage.store import Stores
+from tasks.publish import publish_initial
+
+EMBEDDED_STORE = "s3://islands-{bucket}"
+LEARNER_EXIT_S = 120.0
+
+
+def new_run_id() -> str:
+    return f"run-{secrets.token_hex(3)}"
+
+
+def _name() -> str:
+    cfg = flow_run.parameters["config"]
+    run_id = cfg.get("run_id") if isinstance(cfg, dict) else cfg.run_id
+    return run_id or "training-run"
+
+
+def store_template(config: RunConfig) -> str:
+    return config.store or EMBEDDED_STORE
+
+
+def create_run(config: RunConfig, stores: Stores) -> None:
+    """Write the run's config once; a different config under the same run id is refused."""
+    body = json.dumps(config.model_dump(mode="json"), sort_keys=True, indent=1).encode()
+    if not stores.global_.put_if_absent(layout.config_key(config.run_id), body):
+        existing = json.loads(stores.global_.get(layout.config_key(config.run_id)))
+        if existing != config.model_dump(mode="json"):
+            raise ValueError(f"run {config.run_id} already exists with another config; choose a new --run-id or `islands resume`")
+    if latest_round(stores.global_, config.run_id) is None:
+        publish_initial(config, config.run_id, stores)
+
+
+def launch_learners(config: RunConfig, store: str) -> list[UUID]:
+    ids = []
+    for learner, region, _ in config.learners():
+        fr = run_deployment(
+            config.learner_deployment.replace("{region}", region),
+            parameters={"run_id": config.run_id, "learner": learner, "store": store},
+            flow_run_name=f"learner-{learner}",
+            timeout=0,
+            tags=[config.run_id, region],
+        )
+        ids.append(fr.id)
+    return ids
+
+
+def wait_learners(ids: list[UUID], timeout_s: float, cancel: bool) -> dict[str, str]:
+    """Wait for learner runs to end (they stop by themselves); cancel what is still running."""
+    deadline = time.monotonic() + (0 if cancel else timeout_s)
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = [client.read_flow_run(i) for i in ids]
+            running = [r for r in runs if not r.state or not r.state.is_final()]
+            if not running or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        for r in running:
+            client.set_flow_run_state(r.id, Cancelling(), force=True)
+        return {r.name: (r.state.name if r.state else "?") for r in runs}
+
+
+def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, int]]:
+    """Bytes each region's learners wrote and read, from their newest delta's own counters."""
+    out = {}
+    for region in config.regions:
+        store = stores.region(region)
+        newest: dict[str, str] = {}
+        for key in sorted(store.list(layout.deltas_prefix(config.run_id))):
+            parsed = layout.parse_delta_key(key)
+            if parsed:
+                newest[parsed[0]] = key
+        written = read = 0
+        for key in newest.values():
+            meta = object_metadata(store, key)
+            written += int(meta.get("io_written", 0))
+            read += int(meta.get("io_read", 0))
+        out[region] = {"written": written, "read": read}
+    g = stores.global_.io
+    out["synchronizer"] = {"written": g.bytes_written, "read": g.bytes_read + sum(s.io.bytes_read for s in stores.regions.values())}
+    return out
+
+
+@flow(name="training-run", flow_run_name=_name)
+def training_run(config: RunConfig) -> dict:
+    """Train until `config.rounds` outer rounds are published; returns the run summary."""
+    log = get_run_logger()
+    t0 = time.time()
+    if config.run_id is None:
+        config = config.model_copy(update={"run_id": new_run_id()})
+    run, store = config.run_id, store_template(config)
+    stores = Stores(store, config.regions)
+    create_run(config, stores)
+    start = latest_round(stores.global_, run) or 0
+    view = ProgressView(run)
+    view.header(read_chain(stores.global_, run)[-1][0], config)
+    progress = RunProgress(run, config.rounds, start)
+    learner_ids = launch_learners(config, store) if start < config.rounds else []
+    log.info("%s: %d learners launched; rounds %d..%d to go", run, len(learner_ids), start + 1, config.rounds)
+    done = False
+    try:
+        for r in range(start + 1, config.rounds + 1):
+            view.round(outer_round(run_id=run, round=r, store=store))
+            progress.update(r)
+        done = True
+    finally:
+        if done:
+            stores.global_.put_if_absent(layout.stop_key(run), json.dumps({"rounds": config.rounds}).encode())
+        learner_states = wait_learners(learner_ids, LEARNER_EXIT_S, cancel=not done) if learner_ids else {}
+    chain = read_chain(stores.global_, run)
+    rows = [summarize(m) for m, _ in chain[1:]]
+    summary = {
+        "run_id": run,
+        "rounds_published": chain[-1][0].round,
+        "eval_loss_round0": chain[0][0].eval_loss,
+        "eval_loss_final": chain[-1][0].eval_loss,
+        "bytes": bytes_by_region(config, stores),
+        "wall_s": round(time.time() - t0, 1),
+        "checkpoints": f"{stores.global_.url}/{layout.rounds_prefix(run)}",
+        "learners": learner_states,
+    }
+    publish_report(run, summary, rows, summary["checkpoints"])
+    view.footer(summary)
+    return summary

@@ -1,0 +1,190 @@
+"""The local S3 endpoint: moto's server in its own process, so learners in other processes
+reach it over HTTP exactly as they would reach real S3.
+
+moto keeps objects in memory only; `snapshot` and `restore` copy buckets to and from
+`<folder>/<bucket>/<key>` so checkpoints outlive the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import subprocess
+import sys
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from infra.process import LOOPBACK, http_status, spawn, stop_group, wait_ready
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+log = logging.getLogger(__name__)
+
+
+def s3_answers(url: str) -> bool:
+    """Whether an S3 endpoint answers HTTP at url (any status counts: it is up)."""
+    return http_status(url + "/") is not None
+
+
+def client(url: str):
+    """A boto3 S3 client for the local endpoint with the dummy credentials."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+        config=Config(connect_timeout=2, read_timeout=60, retries={"max_attempts": 3}),
+    )
+
+
+def create_buckets(url: str, names: Iterable[str]) -> None:
+    """Create each bucket unless it exists already."""
+    s3 = client(url)
+    existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
+    for name in names:
+        if name not in existing:
+            s3.create_bucket(Bucket=name)
+
+
+def _local_path(folder: Path, bucket: str, key: str) -> Path | None:
+    """Where key is kept on disk, or None for keys a file tree cannot hold
+    (folder markers ending in '/', absolute or '..' paths)."""
+    parts = key.split("/")
+    if key.endswith("/") or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return None
+    return folder.joinpath(bucket, *parts)
+
+
+def snapshot(url: str, folder: Path) -> int:
+    """Copy every object of every bucket into folder/<bucket>/<key>; returns the object count.
+
+    Written beside folder first and swapped in, so a crash mid-copy keeps the last snapshot.
+    """
+    s3 = client(url)
+    partial = folder.with_name(folder.name + ".partial")
+    old = folder.with_name(folder.name + ".old")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    count = 0
+    for bucket in (b["Name"] for b in s3.list_buckets().get("Buckets", [])):
+        (partial / bucket).mkdir()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            for obj in page.get("Contents", []):
+                path = _local_path(partial, bucket, obj["Key"])
+                if path is None:
+                    log.warning("not saving s3://%s/%s: key has no file path", bucket, obj["Key"])
+                    continue
+                path.parent.mkdir(parents=True, exist_ok=True)
+                body = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"]
+                with open(path, "wb") as f:
+                    shutil.copyfileobj(body, f, 1 << 20)
+                count += 1
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    partial.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return count
+
+
+def restore(url: str, folder: Path) -> int:
+    """Recreate every bucket and object saved by `snapshot`; returns the object count."""
+    if not folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        if not old.exists():
+            return 0
+        folder = old
+    s3 = client(url)
+    buckets = sorted(p for p in folder.iterdir() if p.is_dir())
+    create_buckets(url, [b.name for b in buckets])
+    count = 0
+    for bucket in buckets:
+        for path in sorted(p for p in bucket.rglob("*") if p.is_file()):
+            with open(path, "rb") as f:
+                s3.put_object(Bucket=bucket.name, Key=path.relative_to(bucket).as_posix(), Body=f)
+            count += 1
+    return count
+
+
+class S3Server:
+    """moto's S3 server as a child process on 127.0.0.1."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self._proc: subprocess.Popen | None = None
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("the S3 server is not running; call start() first")
+        return self._url
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, env: Mapping[str, str], timeout: float = 30.0) -> str:
+        """Start the server and wait until it answers; returns its endpoint URL.
+
+        The child binds port 0 and reports the port it got, so no other process can
+        take the port between choosing and binding it.
+        """
+        port_file = self.log_path.with_name(f"s3-server.{os.getpid()}.port")
+        port_file.unlink(missing_ok=True)
+        self._proc = spawn(
+            [sys.executable, "-m", "infra.s3_server", "--port-file", str(port_file)],
+            env,
+            self.log_path,
+        )
+
+        def ready() -> bool:
+            if self._url is None and port_file.exists():
+                self._url = f"http://{LOOPBACK}:{int(port_file.read_text())}"
+            return self._url is not None and s3_answers(self._url)
+
+        wait_ready(self._proc, ready, timeout, "The S3 server (moto)", self.log_path)
+        port_file.unlink(missing_ok=True)
+        return self._url
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            stop_group(self._proc)
+            self._proc = None
+        self._url = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve S3 on 127.0.0.1 until terminated; write the bound port to --port-file."""
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--port-file", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    # One log line per request would grow the log by the thousands during a run.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address=LOOPBACK, port=args.port, verbose=False)
+    server.start()
+    port = server.get_host_and_port()[1]
+    tmp = args.port_file.with_suffix(".tmp")
+    tmp.write_text(str(port))
+    tmp.rename(args.port_file)
+    print(f"S3 (moto) listening on http://{LOOPBACK}:{port}", flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Tensors on the wire: safetensors with string metadata, never pickle.
+
+Untrusted bytes (a delta from a learner) are checked before safetensors parses them: the
+8-byte header length must fit inside the object and under a cap, the header must be JSON naming
+only known dtypes, and every tensor's byte range must lie inside the object.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+CODECS = ("fp32", "bf16")
+MAX_HEADER_BYTES = 16 * 2**20
+_WIRE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class CodecError(ValueError):
+    """The bytes are not a well-formed safetensors object of ours; the message says why."""
+
+
+def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: str = "fp32") -> bytes:
+    """Serialize float tensors with the codec's wire dtype; other dtypes travel unchanged."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    wire = _WIRE_DTYPE[codec]
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu")
+        out[name] = (t.to(wire) if t.is_floating_point() else t).contiguous()
+    meta = {k: str(v) for k, v in metadata.items()}
+    meta["codec"] = codec
+    return st_save(out, metadata=meta)
+
+
+def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict[str, str]]:
+    """Validate the safetensors header and return (tensor table, metadata) without loading.
+
+    `data` is the whole object, or only its first bytes when `object_size` gives the full size.
+    """
+    size = len(data) if object_size is None else object_size
+    if len(data) < 8:
+        raise CodecError(f"truncated: {len(data)} bytes, not even a header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CodecError(f"oversized header: {n} bytes > {MAX_HEADER_BYTES}")
+    if 8 + n > size:
+        raise CodecError(f"header length {n} larger than the object ({size} bytes)")
+    if 8 + n > len(data):
+        raise CodecError(f"truncated: header needs {8 + n} bytes, got {len(data)}")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CodecError(f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CodecError("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CodecError("metadata must map strings to strings")
+    body = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CodecError(f"tensor {name!r}: malformed entry") from exc
+        if dtype not in _DTYPE_BYTES:
+            raise CodecError(f"tensor {name!r}: unsupported dtype {dtype}")
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if not (0 <= start <= end <= body) or end - start != numel * _DTYPE_BYTES[dtype]:
+            raise CodecError(f"tensor {name!r}: byte range {start}..{end} does not fit the object")
+    return header, metadata
+
+
+def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse checked bytes; floating tensors come back as float32."""
+    _, metadata = read_header(data)
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CodecError(f"safetensors refused the bytes: {exc}") from exc
+    return {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}, metadata
+
+
+def encode_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """Exact serialization (no codec) for checkpoints and optimizer state."""
+    return st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata or {})
+
+
+def decode_state(data: bytes) -> dict[str, torch.Tensor]:
+    read_header(data)
+    return st_load(data)

@@ -1,0 +1,99 @@
+"""Where every object of a run lives: the one place that spells keys.
+
+Global bucket (written by the synchronizer and the driver)::
+
+    runs/<run>/config.json
+    runs/<run>/rounds/<r:06d>/model-<sha16>.safetensors   # θ_r, content-addressed
+    runs/<run>/rounds/<r:06d>/outer-<sha16>.safetensors   # Nesterov momentum after round r
+    runs/<run>/rounds/<r:06d>/manifest.json               # commit point of round r
+    runs/<run>/stop.json                                  # the driver asks learners to stop
+
+Regional bucket (written by that region's learners)::
+
+    runs/<run>/deltas/<learner>/<phase:06d>.safetensors
+    runs/<run>/learners/<learner>/state-<phase:06d>.safetensors
+
+Checkpoints are named by their content so that two synchronizers racing on one round never
+overwrite each other's bytes; only the manifest (put-if-absent) decides which one is the round.
+"""
+
+from __future__ import annotations
+
+import re
+
+GLOBAL_BUCKET = "global"
+
+
+def run_prefix(run: str) -> str:
+    return f"runs/{run}/"
+
+
+def config_key(run: str) -> str:
+    return f"runs/{run}/config.json"
+
+
+def stop_key(run: str) -> str:
+    return f"runs/{run}/stop.json"
+
+
+def round_prefix(run: str, round_: int) -> str:
+    return f"runs/{run}/rounds/{round_:06d}/"
+
+
+def rounds_prefix(run: str) -> str:
+    return f"runs/{run}/rounds/"
+
+
+def manifest_key(run: str, round_: int) -> str:
+    return round_prefix(run, round_) + "manifest.json"
+
+
+def model_key(run: str, round_: int, sha256: str) -> str:
+    return round_prefix(run, round_) + f"model-{sha256[:16]}.safetensors"
+
+
+def outer_key(run: str, round_: int, sha256: str) -> str:
+    return round_prefix(run, round_) + f"outer-{sha256[:16]}.safetensors"
+
+
+def deltas_prefix(run: str) -> str:
+    return f"runs/{run}/deltas/"
+
+
+def delta_key(run: str, learner: str, phase: int) -> str:
+    return f"runs/{run}/deltas/{learner}/{phase:06d}.safetensors"
+
+
+def learner_state_prefix(run: str, learner: str) -> str:
+    return f"runs/{run}/learners/{learner}/"
+
+
+def learner_state_key(run: str, learner: str, phase: int) -> str:
+    return learner_state_prefix(run, learner) + f"state-{phase:06d}.safetensors"
+
+
+_ROUND_MANIFEST = re.compile(r"runs/[^/]+/rounds/(\d{6})/manifest\.json$")
+_DELTA = re.compile(r"runs/[^/]+/deltas/([^/]+)/(\d{6})\.safetensors$")
+_STATE = re.compile(r"runs/[^/]+/learners/[^/]+/state-(\d{6})\.safetensors$")
+
+
+def parse_manifest_key(key: str) -> int | None:
+    """Round number of a manifest key, None for any other key."""
+    m = _ROUND_MANIFEST.search(key)
+    return int(m.group(1)) if m else None
+
+
+def parse_delta_key(key: str) -> tuple[str, int] | None:
+    """(learner, phase) of a delta key, None for any other key."""
+    m = _DELTA.search(key)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def parse_state_key(key: str) -> int | None:
+    """Phase of a learner-state key, None for any other key."""
+    m = _STATE.search(key)
+    return int(m.group(1)) if m else None
+
+
+def learner_name(region: str, index: int) -> str:
+    return f"{region}-{index}"

@@ -1,0 +1,95 @@
+"""The manifest: a round's commit record, and a link in the run's hash chain.
+
+A round exists once its manifest exists (written last, put-if-absent). The manifest names the
+sha256 of every object of the round and of its parent manifest, so a reader holding the newest
+manifest can verify the whole run from storage alone. Serialized as canonical JSON (sorted keys,
+no spaces) so that the same content always has the same hash.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ObjectRef(_Strict):
+    key: str
+    sha256: str
+    bytes: int
+
+
+class Contribution(_Strict):
+    """A delta that was merged into this round."""
+
+    learner: str
+    region: str
+    phase: int
+    base_round: int
+    staleness: int
+    tokens: int
+    tokens_counted: int
+    weight: float
+    loss: float
+    bytes: int
+    key: str
+    sha256: str
+    finished_at: float  # the learner's clock when it wrote the delta (unix seconds)
+    seconds: float  # how long the learner's phase took
+
+
+class Excluded(_Strict):
+    """A delta left out of this round for good: quarantined (invalid) or dropped (too stale)."""
+
+    kind: Literal["quarantined", "dropped"]
+    key: str
+    reason: str
+    learner: str | None = None
+    region: str | None = None
+    phase: int | None = None
+    tokens: int = 0
+    sha256: str | None = None
+
+
+class Quorum(_Strict):
+    min_quorum: int
+    max_quorum: int
+    received: int
+    learners: list[str]
+    waited_s: float
+    closed_by: Literal["all-in", "quorum+grace", "timeout", "initial"]
+
+
+class Manifest(_Strict):
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    round: int
+    parent_round: int | None
+    parent_sha256: str | None
+    created_at: str
+    model: ObjectRef
+    outer: ObjectRef | None
+    contributions: list[Contribution] = []
+    excluded: list[Excluded] = []
+    quorum: Quorum
+    hyper: dict[str, float | int | str]
+    eval_loss: float
+    timings: dict[str, float] = {}
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        return cls.model_validate(json.loads(data))
+
+    def consumed_keys(self) -> set[str]:
+        """Delta keys this round used up: merged, quarantined or dropped."""
+        return {c.key for c in self.contributions} | {e.key for e in self.excluded}

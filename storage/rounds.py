@@ -1,0 +1,73 @@
+"""Reading committed rounds: manifests found by listing, trusted only after their hash chain checks.
+
+A round exists once its manifest exists; objects a manifest names are read back with their
+sha256 checked, so a reader never trains on or merges bytes that were not committed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from storage import layout
+from storage.codec import MAX_HEADER_BYTES, decode_state, encode_state, read_header
+from storage.manifest import Manifest, ObjectRef
+from storage.store import IntegrityError, ObjectStore, sha256_hex
+
+
+def latest_round(store: ObjectStore, run: str) -> int | None:
+    """Newest round with a manifest (discovery; the manifest itself is the commit)."""
+    rounds = [r for k in store.list(layout.rounds_prefix(run)) if (r := layout.parse_manifest_key(k)) is not None]
+    return max(rounds) if rounds else None
+
+
+def read_manifest(store: ObjectStore, run: str, round_: int) -> tuple[Manifest, str]:
+    data = store.get(layout.manifest_key(run, round_))
+    return Manifest.from_bytes(data), sha256_hex(data)
+
+
+def read_chain(store: ObjectStore, run: str) -> list[tuple[Manifest, str]]:
+    """Every manifest from round 0 to the newest, with the parent links checked."""
+    newest = latest_round(store, run)
+    chain: list[tuple[Manifest, str]] = []
+    for r in range(0, (newest if newest is not None else -1) + 1):
+        manifest, sha = read_manifest(store, run, r)
+        if manifest.round != r or manifest.run != run:
+            raise IntegrityError(f"round {r}: manifest says run {manifest.run!r} round {manifest.round}")
+        if chain:
+            parent, parent_sha = chain[-1]
+            if manifest.parent_round != parent.round or manifest.parent_sha256 != parent_sha:
+                raise IntegrityError(f"round {r}: parent link does not match round {parent.round}'s manifest")
+        chain.append((manifest, sha))
+    return chain
+
+
+def put_tensors(store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> ObjectRef:
+    """Write exact tensors under a content-addressed key; a retry finds the same bytes there."""
+    data = encode_state(tensors, metadata)
+    sha = sha256_hex(data)
+    key = key_for_sha(sha)
+    store.put_or_verify(key, data)
+    return ObjectRef(key=key, sha256=sha, bytes=len(data))
+
+
+def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:
+    return decode_state(store.get(ref.key, sha256=ref.sha256))
+
+
+def read_config(store: ObjectStore, run: str) -> dict:
+    return json.loads(store.get(layout.config_key(run)))
+
+
+def stop_requested(store: ObjectStore, run: str) -> bool:
+    return store.exists(layout.stop_key(run))
+
+
+def object_metadata(store: ObjectStore, key: str) -> dict[str, str]:
+    """A safetensors object's metadata from two ranged reads, without fetching the tensors."""
+    size = store.size(key)
+    head = store.get_range(key, 0, 8)
+    n = int.from_bytes(head, "little")
+    _, meta = read_header(head + store.get_range(key, 8, 8 + min(n, MAX_HEADER_BYTES)), object_size=size)
+    return meta

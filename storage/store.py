@@ -1,0 +1,228 @@
+"""The object-store contract: put-if-absent, verified get, head, list, delete — nothing else.
+
+Every object is immutable once written. `put_if_absent` is the only write; on S3 it is a PUT
+with `If-None-Match: *`, on a local folder a hard link of a finished temporary file (atomic, and
+fails when the name exists), on `memory://` a locked check-then-write (unit tests only).
+Listing discovers candidates; it never decides a commit — manifests do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class StoreError(Exception):
+    """Object storage answered in a way the caller can act on (message says what to do)."""
+
+
+class ObjectMissing(StoreError):
+    pass
+
+
+class IntegrityError(StoreError):
+    """The bytes read are not the bytes that were named (hash or size mismatch)."""
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class IOCounters:
+    """Bytes and requests that really crossed the wire for one store."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    gets: int = 0
+    puts: int = 0
+    lists: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ObjectStore:
+    """One bucket (or folder) addressed by URL, e.g. ``s3://islands-global`` or ``file:///d/g``."""
+
+    url: str
+    storage_options: dict = field(default_factory=dict)
+    io: IOCounters = field(default_factory=IOCounters)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self.protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.root = self.root.rstrip("/")
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_reachable(self) -> None:
+        """Fail early, before anything is written, if the bucket or folder is not usable."""
+        try:
+            if self.protocol == "file":
+                Path(self.root).mkdir(parents=True, exist_ok=True)
+                return
+            if self.protocol == "s3":
+                bucket = self.root.split("/", 1)[0]
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+                return
+            self.fs.makedirs(self.root, exist_ok=True)  # memory://: unit tests only
+        except FileNotFoundError as exc:
+            raise StoreError(f"{self.url}: bucket does not exist ({exc}); create it or fix --store") from exc
+        except PermissionError as exc:
+            raise StoreError(f"{self.url}: access denied ({exc}); check the credentials") from exc
+        except Exception as exc:  # noqa: BLE001 - network errors come in many classes
+            raise StoreError(
+                f"{self.url}: not reachable ({type(exc).__name__}: {exc}); "
+                "check AWS_ENDPOINT_URL / the endpoint and that the server is up"
+            ) from exc
+
+    # -- writes ---------------------------------------------------------------------------
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write `data` at `key` unless something is there. True if this call wrote it."""
+        path = self._path(key)
+        if self.protocol == "file":
+            written = self._link_if_absent(path, data)
+        elif self.protocol == "memory":
+            with _MEMORY_LOCK:
+                written = not self.fs.exists(path)
+                if written:
+                    self.fs.pipe_file(path, data)
+        else:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                written = True
+            except FileExistsError:
+                written = False
+            except OSError as exc:
+                if "PreconditionFailed" in str(exc) or "412" in str(exc) or "409" in str(exc):
+                    written = False
+                else:
+                    raise
+        self.io.puts += 1
+        if written:
+            self.io.bytes_written += len(data)
+        return written
+
+    def _link_if_absent(self, path: str, data: bytes) -> bool:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.link(tmp, target)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def put_or_verify(self, key: str, data: bytes) -> bool:
+        """Put-if-absent; if the key exists it must hold these very bytes (idempotent retry)."""
+        if self.put_if_absent(key, data):
+            return True
+        existing = self.get(key)
+        if sha256_hex(existing) != sha256_hex(data):
+            raise IntegrityError(f"{self.url}/{key} exists with different content")
+        return False
+
+    def delete(self, key: str) -> None:
+        """Garbage collection only: the contract never rewrites an object."""
+        self.fs.rm_file(self._path(key))
+
+    # -- reads ----------------------------------------------------------------------------
+    def get(self, key: str, sha256: str | None = None, max_bytes: int | None = None) -> bytes:
+        """Read an object; with `sha256`, refuse bytes that are not the named ones."""
+        path = self._path(key)
+        if max_bytes is not None:
+            size = self.size(key)
+            if size is None:
+                raise ObjectMissing(f"{self.url}/{key} does not exist")
+            if size > max_bytes:
+                raise IntegrityError(f"{self.url}/{key} is {size} bytes, over the {max_bytes} limit")
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError as exc:
+            raise ObjectMissing(f"{self.url}/{key} does not exist") from exc
+        self.io.gets += 1
+        self.io.bytes_read += len(data)
+        if sha256 is not None and sha256_hex(data) != sha256:
+            raise IntegrityError(f"{self.url}/{key}: sha256 {sha256_hex(data)[:12]}… ≠ expected {sha256[:12]}…")
+        return data
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object: headers are read before whole bodies."""
+        try:
+            data = self.fs.cat_file(self._path(key), start=start, end=end)
+        except FileNotFoundError as exc:
+            raise ObjectMissing(f"{self.url}/{key} does not exist") from exc
+        self.io.gets += 1
+        self.io.bytes_read += len(data)
+        return data
+
+    def size(self, key: str) -> int | None:
+        """Size in bytes, None when absent (a HEAD)."""
+        try:
+            return int(self.fs.info(self._path(key))["size"])
+        except FileNotFoundError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def list(self, prefix: str) -> dict[str, int]:
+        """Keys under `prefix` with their sizes; for discovery only, never a commit decision."""
+        self.io.lists += 1
+        self.fs.invalidate_cache()
+        base = self._path(prefix).rstrip("/")
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        root = self.root + "/"
+        out = {}
+        for path, info in found.items():
+            if not path.startswith(root) or info.get("type") == "directory":
+                continue
+            key = path[len(root):]
+            if "/.tmp-" not in key:
+                out[key] = int(info.get("size") or 0)
+        return out
+
+
+def bucket_url(template: str, bucket: str) -> str:
+    """Expand a store template such as ``s3://islands-{bucket}`` for one bucket."""
+    if "{bucket}" not in template:
+        raise ValueError(f"store template {template!r} must contain '{{bucket}}', e.g. s3://islands-{{bucket}}")
+    return template.replace("{bucket}", bucket)
+
+
+class Stores:
+    """The global store and one store per region, from one URL template."""
+
+    def __init__(self, template: str, regions: list[str], storage_options: dict | None = None):
+        opts = storage_options or {}
+        self.template = template
+        self.global_ = ObjectStore(bucket_url(template, "global"), opts)
+        self.regions = {r: ObjectStore(bucket_url(template, r), opts) for r in regions}
+
+    def region(self, name: str) -> ObjectStore:
+        return self.regions[name]
+
+    def all(self) -> list[ObjectStore]:
+        return [self.global_, *self.regions.values()]

@@ -1,0 +1,130 @@
+"""Collect: watch the regional buckets until the quorum policy closes the round.
+
+Each new delta is read once, size-checked before its bytes are fetched, hashed, parsed only by
+safetensors, and judged by `tasks.validate`; a bad one is quarantined with its reason, never
+merged and never looked at again. Listing only discovers; the consumed set comes from manifests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from storage import layout
+from storage.codec import CodecError, decode
+from storage.manifest import Excluded
+from storage.store import IntegrityError, ObjectMissing, sha256_hex
+from tasks.quorum import Decision, decide
+from tasks.round_state import RoundState
+from tasks.validate import check_metadata, check_tensors
+
+
+@dataclass
+class Arrival:
+    """A valid delta waiting to be merged."""
+
+    key: str
+    learner: str
+    region: str
+    phase: int
+    base_round: int
+    tokens: int
+    loss: float
+    bytes: int
+    sha256: str
+    seconds: float
+    finished_at: float
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
+@dataclass
+class Collected:
+    arrivals: list[Arrival]
+    quarantined: list[Excluded]
+    decision: Decision
+    waited_s: float
+
+
+def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Excluded:
+    """Read and judge one delta found in `region`'s bucket."""
+    parsed = layout.parse_delta_key(key)
+    owners = {name: r for name, r, _ in state.config.learners()}
+
+    def bad(reason: str, **kw) -> Excluded:
+        return Excluded(kind="quarantined", key=key, reason=reason, region=region, **kw)
+
+    if parsed is None:
+        return bad("not a delta key of this layout")
+    learner, phase = parsed
+    if owners.get(learner) != region:
+        return bad(f"learner {learner!r} does not belong to region {region!r} in this run", learner=learner, phase=phase)
+    if size > state.max_delta_bytes():
+        return bad(f"oversized: {size} bytes > {state.max_delta_bytes()}", learner=learner, phase=phase)
+    try:
+        data = state.stores.region(region).get(key, max_bytes=state.max_delta_bytes())
+    except (ObjectMissing, IntegrityError) as exc:
+        return bad(f"unreadable: {exc}", learner=learner, phase=phase)
+    sha = sha256_hex(data)
+    dup = state.consumed_shas.get(sha)
+    if dup is not None:
+        return bad(f"duplicate of consumed delta {dup}", learner=learner, phase=phase, sha256=sha)
+    try:
+        tensors, meta = decode(data)
+    except CodecError as exc:
+        return bad(str(exc), learner=learner, phase=phase, sha256=sha)
+    reason = check_metadata(meta, state.run, learner, phase, state.round - 1) or check_tensors(tensors, state.model)
+    if reason:
+        return bad(reason, learner=learner, phase=phase, sha256=sha, tokens=_int(meta.get("tokens")))
+    return Arrival(
+        key=key, learner=learner, region=region, phase=phase, base_round=int(meta["base_round"]),
+        tokens=int(meta["tokens"]), loss=float(meta["loss"]), bytes=len(data), sha256=sha,
+        seconds=float(meta.get("seconds", 0.0)), finished_at=float(meta.get("finished_at", time.time())), tensors=tensors,
+    )
+
+
+def _int(value: str | None) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
+
+
+@task(name="collect", cache_policy=NO_CACHE)
+def collect(state: RoundState) -> Collected:
+    """Poll until all are in, the quorum's grace window ends, or the hard deadline passes."""
+    log = get_run_logger()
+    cfg, policy = state.config, state.policy()
+    consumed = state.consumed_keys
+    history = state.history()
+    learners = [name for name, _, _ in cfg.learners()]
+    seen: dict[str, Arrival | Excluded] = {}
+    started = time.time()
+    while True:
+        for region, store in state.stores.regions.items():
+            for key, size in sorted(store.list(layout.deltas_prefix(state.run)).items()):
+                if key not in consumed and key not in seen:
+                    seen[key] = found = inspect(state, region, key, size)
+                    if isinstance(found, Excluded):
+                        log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
+        arrivals = [a for a in seen.values() if isinstance(a, Arrival)]
+        fresh: dict[str, float] = {}
+        for a in arrivals:
+            if state.round - 1 - a.base_round <= cfg.merge.max_staleness:
+                fresh[a.learner] = min(fresh.get(a.learner, a.finished_at), a.finished_at)
+        now = time.time()
+        decision = decide(policy, started, now, fresh, learners, history)
+        if decision.close:
+            break
+        wake = decision.recheck_at if decision.recheck_at is not None else now + cfg.quorum.poll_s
+        time.sleep(min(cfg.quorum.poll_s, max(0.05, wake - now)))
+    waited = time.time() - started
+    quarantined = [e for e in seen.values() if isinstance(e, Excluded)]
+    log.info(
+        "%s round %d: collected %d deltas from %d learners in %.1f s (%s); %d quarantined",
+        state.run, state.round, len(arrivals), len(fresh), waited, decision.reason, len(quarantined),
+    )
+    return Collected(sorted(arrivals, key=lambda a: (a.learner, a.phase)), quarantined, decision, waited)

@@ -1,0 +1,222 @@
+"""A learner's inner loop: H AdamW steps from a published checkpoint, returned as a pseudo-gradient.
+
+The AdamW state, the step count and the data position live across phases and are never reset
+(DiLoCo keeps the inner optimizer local); state_dict() lets them survive a restart bit for bit.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tasks.data import BatchSampler
+from tasks.model import GPT, autocast_context
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    total_steps: int = 600
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"InnerConfig.lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"InnerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.total_steps < self.warmup_steps:
+            raise ValueError(
+                f"InnerConfig.total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps})"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"InnerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"InnerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"InnerConfig.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+
+
+def lr_at(step: int, cfg: InnerConfig) -> float:
+    """Linear warmup to lr over warmup_steps, cosine down to min_lr_ratio·lr at total_steps, then flat."""
+    min_lr = cfg.min_lr_ratio * cfg.lr
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.total_steps:
+        return min_lr
+    progress = (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+
+
+@dataclass
+class PhaseResult:
+    delta: dict[str, torch.Tensor]  # float32, base − local: the pseudo-gradient, DiLoCo's sign
+    steps: int
+    tokens: int
+    loss: float  # mean training loss over the phase; nan when no step ran
+    seconds: float
+    losses: list[float]
+
+
+class InnerTrainer:
+    def __init__(
+        self,
+        model: GPT,
+        sampler: BatchSampler,
+        cfg: InnerConfig,
+        device: torch.device = torch.device("cpu"),
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.model = model.to(device)
+        self.sampler = sampler
+        self.cfg = cfg
+        self.device = device
+        self.clock = clock
+        self.sleep = sleep
+        self.step = 0
+        named = list(model.named_parameters())
+        # Weight decay on matrices and embeddings only, not on LayerNorm gains (nanoGPT).
+        decay = [(n, p) for n, p in named if p.dim() >= 2]
+        no_decay = [(n, p) for n, p in named if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for _, p in decay], "weight_decay": cfg.weight_decay},
+                {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+        )
+        # Names in the optimizer's own parameter order, which its state_dict numbers from 0.
+        self._opt_names = [n for n, _ in decay + no_decay]
+
+    def run_phase(
+        self,
+        base: dict[str, torch.Tensor],
+        steps: int,
+        slowdown: float = 1.0,
+        on_step: Callable[[int, float], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> PhaseResult:
+        """Train `steps` inner steps from base and return base − local.
+
+        slowdown > 1 stands in for a slower region: after each step the trainer sleeps
+        (slowdown − 1) × that step's compute time. on_step gets (total inner steps so far, loss).
+        should_stop is asked before each step; the result then covers only the steps done.
+        """
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        if slowdown < 1.0:
+            raise ValueError(f"slowdown must be >= 1 (1 is full speed), got {slowdown}")
+        self.model.load_state_dict(base)
+        self.model.train()
+        losses: list[float] = []
+        started = self.clock()
+        for _ in range(steps):
+            if should_stop is not None and should_stop():
+                break
+            step_started = self.clock()
+            loss = self._train_step()
+            compute_seconds = self.clock() - step_started
+            losses.append(loss)
+            if on_step is not None:
+                on_step(self.step, loss)
+            if slowdown > 1.0:
+                self.sleep((slowdown - 1.0) * compute_seconds)
+        seconds = self.clock() - started
+        with torch.no_grad():
+            delta = {
+                name: (base[name].to(p.device, torch.float32) - p.float()).cpu()
+                for name, p in self.model.named_parameters()
+            }
+        return PhaseResult(
+            delta=delta,
+            steps=len(losses),
+            tokens=len(losses) * self.sampler.tokens_per_batch,
+            loss=sum(losses) / len(losses) if losses else math.nan,
+            seconds=seconds,
+            losses=losses,
+        )
+
+    def _train_step(self) -> float:
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.sampler.next_batch()
+        with autocast_context(self.device):
+            _, loss = self.model(x.to(self.device), y.to(self.device))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return loss.item()  # also waits for the device, so the step's compute time is real
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat, CPU, contiguous tensors with no shared storage: ready for safetensors."""
+        params = dict(self.model.named_parameters())
+        state: dict[str, torch.Tensor] = {}
+        opt_step = 0
+        for name in self._opt_names:
+            slot = self.optimizer.state.get(params[name], {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment = slot[key] if key in slot else torch.zeros_like(params[name])
+                state[f"opt.{key}.{name}"] = moment.detach().to("cpu", copy=True).contiguous()
+            if "step" in slot:
+                opt_step = int(slot["step"])
+        state["opt.step"] = torch.tensor(opt_step, dtype=torch.int64)
+        state["trainer.step"] = torch.tensor(self.step, dtype=torch.int64)
+        for key, value in self.sampler.state_dict().items():
+            state[f"sampler.{key}"] = value.detach().to("cpu", copy=True).contiguous()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = self._state_keys()
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise ValueError(
+                f"inner trainer state does not match this model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}; was it saved with another model preset?"
+            )
+        params = dict(self.model.named_parameters())
+        for name in self._opt_names:
+            saved = state[f"opt.exp_avg.{name}"].shape
+            if saved != params[name].shape:
+                raise ValueError(
+                    f"inner trainer state for {name} has shape {tuple(saved)}, the model has "
+                    f"{tuple(params[name].shape)}; was it saved with another model preset?"
+                )
+        opt_step = int(state["opt.step"])
+        current = self.optimizer.state_dict()
+        opt_state = {}
+        if opt_step > 0:
+            # AdamW keeps its step as a float32 scalar; a fresh optimizer (step 0) has no state at all.
+            # Clones, so training never writes into the caller's tensors.
+            opt_state = {
+                index: {
+                    "step": torch.tensor(float(opt_step), dtype=torch.float32),
+                    "exp_avg": state[f"opt.exp_avg.{name}"].clone(),
+                    "exp_avg_sq": state[f"opt.exp_avg_sq.{name}"].clone(),
+                }
+                for index, name in enumerate(self._opt_names)
+            }
+        self.optimizer.load_state_dict({"state": opt_state, "param_groups": current["param_groups"]})
+        self.step = int(state["trainer.step"])
+        self.sampler.load_state_dict(
+            {key.removeprefix("sampler."): value for key, value in state.items() if key.startswith("sampler.")}
+        )
+
+    def _state_keys(self) -> set[str]:
+        keys = {f"opt.{key}.{name}" for key in ("exp_avg", "exp_avg_sq") for name in self._opt_names}
+        keys |= {"opt.step", "trainer.step"}
+        return keys | {f"sampler.{key}" for key in self.sampler.state_dict()}

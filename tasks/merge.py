@@ -1,0 +1,123 @@
+"""The merge rule and the outer optimizer (DESIGN.md §3), as pure functions of their inputs.
+
+Weights are Python floats (float64) and deltas are accumulated in float64 in a fixed order, so
+replaying a round from the same deltas gives the same bits.
+"""
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    outer_lr: float = 0.5
+    outer_momentum: float = 0.9
+    staleness_lambda: float = 0.5
+    max_staleness: int = 4
+    token_cap: float = 2.0  # a claim counts at most token_cap × the median claim of the other candidates
+
+    def __post_init__(self):
+        if self.outer_lr <= 0:
+            raise ValueError(f"MergeRule.outer_lr must be positive, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"MergeRule.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.staleness_lambda < 0:
+            raise ValueError(f"MergeRule.staleness_lambda must be >= 0, got {self.staleness_lambda}")
+        if self.max_staleness < 0:
+            raise ValueError(f"MergeRule.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.token_cap < 1.0:
+            raise ValueError(f"MergeRule.token_cap must be >= 1 (a multiple of the median), got {self.token_cap}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    learner: str
+    phase: int
+    base_round: int
+    tokens: int  # tokens the delta claims to cover
+
+
+@dataclass(frozen=True)
+class Weighted:
+    candidate: Candidate
+    staleness: int
+    tokens_counted: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class Dropped:
+    candidate: Candidate
+    reason: str
+
+
+def plan_merge(
+    round_: int, candidates: list[Candidate], rule: MergeRule
+) -> tuple[list[Weighted], list[Dropped]]:
+    """Weigh each candidate by tokens / (1 + λ·staleness); drop the ones that cannot be merged.
+
+    The token cap compares a claim with the other mergeable candidates only, so one inflated claim
+    cannot raise the bar for itself, and with a single candidate there is nothing to cap against.
+    """
+    keys = [(c.learner, c.phase) for c in candidates]
+    if len(set(keys)) != len(keys):
+        duplicates = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"duplicate (learner, phase) candidates in round {round_}: {duplicates}")
+
+    dropped: list[Dropped] = []
+    eligible: list[tuple[Candidate, int]] = []
+    for c in candidates:
+        staleness = round_ - c.base_round
+        if staleness < 0:
+            dropped.append(Dropped(c, f"base round from the future: base_round {c.base_round} > round {round_}"))
+        elif staleness > rule.max_staleness:
+            dropped.append(Dropped(c, f"stale: staleness {staleness} > max {rule.max_staleness}"))
+        elif c.tokens <= 0:
+            dropped.append(Dropped(c, f"no tokens: claims {c.tokens}"))
+        else:
+            eligible.append((c, staleness))
+
+    weighted: list[Weighted] = []
+    for i, (c, staleness) in enumerate(eligible):
+        others = [o.tokens for j, (o, _) in enumerate(eligible) if j != i]
+        counted = c.tokens
+        if others:
+            counted = min(counted, int(rule.token_cap * statistics.median(others)))
+        weight = counted / (1.0 + rule.staleness_lambda * staleness)
+        weighted.append(Weighted(c, staleness, counted, weight))
+
+    def order(item: Weighted | Dropped) -> tuple[str, int]:
+        return item.candidate.learner, item.candidate.phase
+
+    return sorted(weighted, key=order), sorted(dropped, key=order)
+
+
+def weighted_average(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Σ w_i·g_i / Σ w_i for one tensor, summed in float64 in the order given, returned as float32."""
+    if not tensors or len(tensors) != len(weights):
+        raise ValueError(f"need one weight per tensor and at least one of each, got {len(tensors)} and {len(weights)}")
+    total = 0.0
+    for w in weights:  # left to right on purpose: Python 3.12's sum() compensates and would change bits
+        total += w
+    if not total > 0:
+        raise ValueError(f"weights must sum to a positive number, got {total}")
+    acc = torch.zeros(tensors[0].shape, dtype=torch.float64, device=tensors[0].device)
+    for tensor, w in zip(tensors, weights):
+        if tensor.shape != acc.shape:
+            raise ValueError(f"cannot average tensors of shapes {tuple(acc.shape)} and {tuple(tensor.shape)}")
+        acc.add_(tensor.to(torch.float64), alpha=w)
+    return (acc / total).to(torch.float32)
+
+
+def outer_step(
+    param: torch.Tensor, momentum: torch.Tensor | None, delta: torch.Tensor, lr: float, mu: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Nesterov step with the merged delta as the gradient; returns (new param, new momentum).
+
+    The same operations as torch.optim.SGD(nesterov=True, dampening=0), so it matches it exactly:
+    m ← μ·m + Δ (m = Δ on the first step);  θ ← θ − lr·(Δ + μ·m).
+    """
+    new_momentum = delta.clone() if momentum is None else momentum.mul(mu).add(delta)
+    return param.add(delta.add(new_momentum, alpha=mu), alpha=-lr), new_momentum

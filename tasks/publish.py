@@ -1,0 +1,103 @@
+"""Publish: write θ_r and the momentum (content-addressed), then the manifest — the commit point.
+
+The manifest is written last and only if absent. When another synchronizer (or an earlier try of
+this one) already committed the round, the loser reads the winner's manifest: if it names the
+same model bytes the retry was idempotent; otherwise the winner's round is adopted as is. Either
+way exactly one manifest exists per round and nothing is applied twice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.config import RunConfig
+from storage import layout
+from storage.manifest import Manifest, Quorum
+from storage.rounds import put_tensors, read_manifest
+from storage.store import Stores, sha256_hex
+from tasks.collect import Collected
+from tasks.data import evaluate
+from tasks.merge_step import Merged
+from tasks.model import build_model
+from tasks.round_state import RoundState, held_out_batches
+
+
+@dataclass
+class Published:
+    manifest: Manifest
+    sha256: str
+    outcome: str  # "committed" | "idempotent" | "adopted"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def hyper(config: RunConfig) -> dict:
+    m, q = config.merge, config.quorum
+    return {
+        "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum, "staleness_lambda": m.staleness_lambda,
+        "max_staleness": m.max_staleness, "token_cap": m.token_cap, "inner_steps": config.inner_steps,
+        "min_quorum": q.min_quorum, "max_quorum": config.max_quorum, "grace_max_s": q.grace_max_s,
+        "round_timeout_s": q.round_timeout_s, "model": config.model, "codec": config.codec,
+    }
+
+
+def commit(stores: Stores, manifest: Manifest) -> Published:
+    """Put the manifest if absent; on a lost race, verify or adopt the winner's."""
+    data = manifest.to_bytes()
+    key = layout.manifest_key(manifest.run, manifest.round)
+    if stores.global_.put_if_absent(key, data):
+        return Published(manifest, sha256_hex(data), "committed")
+    winner, sha = read_manifest(stores.global_, manifest.run, manifest.round)
+    same = winner.model.sha256 == manifest.model.sha256 and winner.parent_sha256 == manifest.parent_sha256
+    return Published(winner, sha, "idempotent" if same else "adopted")
+
+
+def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
+    """Round 0: the seeded initial model, its held-out loss, no momentum yet."""
+    model = build_model(config.model, config.seed)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, {"run": run, "round": "0"})
+    loss = evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, model.config.block_size, config.eval_batches))
+    learners = [name for name, _, _ in config.learners()]
+    manifest = Manifest(
+        run=run, round=0, parent_round=None, parent_sha256=None, created_at=_now(), model=ref, outer=None,
+        quorum=Quorum(min_quorum=config.quorum.min_quorum, max_quorum=config.max_quorum, received=0,
+                      learners=learners, waited_s=0.0, closed_by="initial"),
+        hyper=hyper(config), eval_loss=loss,
+    )
+    return commit(stores, manifest)
+
+
+@task(name="publish", cache_policy=NO_CACHE)
+def publish(state: RoundState, collected: Collected, merged: Merged, timings: dict[str, float]) -> Published:
+    log = get_run_logger()
+    t0 = time.perf_counter()
+    run, r, store = state.run, state.round, state.stores.global_
+    meta = {"run": run, "round": str(r)}
+    model_ref = put_tensors(store, lambda sha: layout.model_key(run, r, sha), merged.model, meta)
+    outer_ref = put_tensors(store, lambda sha: layout.outer_key(run, r, sha), merged.momentum, meta)
+    parent, parent_sha = state.parent
+    manifest = Manifest(
+        run=run, round=r, parent_round=parent.round, parent_sha256=parent_sha, created_at=_now(),
+        model=model_ref, outer=outer_ref, contributions=merged.contributions, excluded=merged.excluded,
+        quorum=Quorum(
+            min_quorum=state.config.quorum.min_quorum, max_quorum=state.config.max_quorum,
+            received=len({c.learner for c in merged.contributions}),
+            learners=sorted({c.learner for c in merged.contributions}), waited_s=round(collected.waited_s, 3),
+            closed_by=collected.decision.reason or "timeout",
+        ),
+        hyper=hyper(state.config), eval_loss=merged.eval_loss,
+        timings={**timings, "publish_s": round(time.perf_counter() - t0, 3)},
+    )
+    published = commit(state.stores, manifest)
+    if published.outcome != "committed":
+        log.warning("%s round %d: another synchronizer committed first (%s)", run, r, published.outcome)
+    log.info("%s round %d published: eval loss %.4f, manifest %s", run, r, published.manifest.eval_loss, published.sha256[:12])
+    return published

@@ -1,0 +1,81 @@
+"""When a round stops collecting deltas: a pure function of arrivals, history and the clock.
+
+Nothing here sleeps or reads the time, so a scripted timeline tests it exactly and the caller keeps
+control of waiting (it can sleep until `recheck_at` or until the next delta lands).
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QuorumPolicy:
+    min_quorum: int
+    max_quorum: int
+    grace_max_s: float
+    deadline_s: float
+
+    def __post_init__(self):
+        if self.min_quorum < 1:
+            raise ValueError(f"QuorumPolicy.min_quorum must be at least 1, got {self.min_quorum}")
+        if self.max_quorum < self.min_quorum:
+            raise ValueError(
+                f"QuorumPolicy.max_quorum ({self.max_quorum}) must be >= min_quorum ({self.min_quorum})"
+            )
+        if self.grace_max_s < 0:
+            raise ValueError(f"QuorumPolicy.grace_max_s must be >= 0 seconds (0: no grace), got {self.grace_max_s}")
+        if self.deadline_s <= 0:
+            raise ValueError(f"QuorumPolicy.deadline_s must be positive seconds, got {self.deadline_s}")
+
+
+@dataclass
+class LearnerHistory:
+    phase_seconds: list[float]  # recent phase durations, newest last
+    last_arrival: float | None  # clock time of its last delta
+
+    def expected_arrival(self) -> float | None:
+        if self.last_arrival is None or not self.phase_seconds:
+            return None
+        return self.last_arrival + sum(self.phase_seconds) / len(self.phase_seconds)
+
+
+@dataclass(frozen=True)
+class Decision:
+    close: bool
+    reason: str | None  # "all-in" | "quorum+grace" | "timeout"
+    recheck_at: float | None  # clock time at which the answer can next change without a new arrival
+    waiting_for: tuple[str, ...]
+
+
+def decide(
+    policy: QuorumPolicy,
+    started_at: float,
+    now: float,
+    arrived: dict[str, float],
+    learners: list[str],
+    history: dict[str, LearnerHistory],
+) -> Decision:
+    """Close at max_quorum, or after a grace window past min_quorum, or at the hard deadline.
+
+    The grace window waits only for missing learners expected (from their recent phase times) by
+    the quorum time + grace_max_s; a learner with no history is not waited for.
+    """
+    missing = tuple(sorted(name for name in learners if name not in arrived))
+    deadline = started_at + policy.deadline_s
+    if len(arrived) >= policy.max_quorum or (learners and not missing):
+        return Decision(close=True, reason="all-in", recheck_at=None, waiting_for=())
+
+    if len(arrived) >= policy.min_quorum:
+        quorum_at = sorted(arrived.values())[policy.min_quorum - 1]
+        grace_end = quorum_at + policy.grace_max_s
+        expected = {name: history[name].expected_arrival() if name in history else None for name in missing}
+        worth_waiting = {name: t for name, t in expected.items() if t is not None and t <= grace_end}
+        close_at = min(max(worth_waiting.values(), default=quorum_at), grace_end)
+        if not worth_waiting or now >= close_at:
+            return Decision(close=True, reason="quorum+grace", recheck_at=None, waiting_for=())
+        waiting_for = tuple(sorted(worth_waiting))
+    else:
+        close_at, waiting_for = deadline, missing
+
+    if now >= deadline:
+        return Decision(close=True, reason="timeout", recheck_at=None, waiting_for=())
+    return Decision(close=False, reason=None, recheck_at=min(close_at, deadline), waiting_for=waiting_for)

@@ -1,0 +1,93 @@
+"""What the synchronizer knows when an outer round opens, read from the global bucket alone.
+
+Everything here is derived from the manifest chain — which deltas are consumed, each learner's
+recent phase times, the current model and momentum — never from listings or local memory, so a
+second synchronizer or a retried flow run reaches the same view.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import torch
+
+from flows.config import RunConfig
+from storage.corpus import read_corpus
+from storage.manifest import Manifest
+from storage.rounds import get_tensors, read_chain
+from storage.store import Stores
+from tasks.data import eval_batches, split_held_out
+from tasks.model import PRESETS
+from tasks.quorum import LearnerHistory, QuorumPolicy
+
+HISTORY = 5
+
+
+@lru_cache(maxsize=2)
+def held_out_batches(corpus: str, batch_size: int, block_size: int, n: int) -> list:
+    _, held = split_held_out(read_corpus(corpus))
+    return eval_batches(held, batch_size, block_size, n, seed=0)
+
+
+@dataclass
+class RoundState:
+    config: RunConfig
+    run: str
+    round: int  # the round this synchronizer is about to publish
+    stores: Stores
+    chain: list[tuple[Manifest, str]]
+    model: dict[str, torch.Tensor]  # θ of the parent round
+    momentum: dict[str, torch.Tensor] | None
+
+    @classmethod
+    def load(cls, config: RunConfig, run: str, stores: Stores) -> "RoundState":
+        chain = read_chain(stores.global_, run)
+        if not chain:
+            raise RuntimeError(f"run {run} has no round 0 in {stores.global_.url}")
+        parent = chain[-1][0]
+        model = get_tensors(stores.global_, parent.model)
+        momentum = get_tensors(stores.global_, parent.outer) if parent.outer else None
+        return cls(config, run, parent.round + 1, stores, chain, model, momentum)
+
+    @property
+    def parent(self) -> tuple[Manifest, str]:
+        return self.chain[-1]
+
+    @cached_property
+    def consumed_keys(self) -> set[str]:
+        return set().union(*(m.consumed_keys() for m, _ in self.chain))
+
+    @cached_property
+    def consumed_shas(self) -> dict[str, str]:
+        """sha256 → key of every delta already merged, for spotting re-submitted copies."""
+        return {c.sha256: c.key for m, _ in self.chain for c in m.contributions}
+
+    def history(self) -> dict[str, LearnerHistory]:
+        """Each learner's recent phase times and last arrival, from the manifests."""
+        seen: dict[str, list] = defaultdict(list)
+        for manifest, _ in self.chain:
+            for c in manifest.contributions:
+                seen[c.learner].append(c)
+        out = {}
+        for learner, _, _ in self.config.learners():
+            recent = sorted(seen.get(learner, []), key=lambda c: c.finished_at)[-HISTORY:]
+            out[learner] = LearnerHistory(
+                phase_seconds=[c.seconds for c in recent], last_arrival=recent[-1].finished_at if recent else None
+            )
+        return out
+
+    def policy(self) -> QuorumPolicy:
+        q = self.config.quorum
+        return QuorumPolicy(
+            min_quorum=q.min_quorum, max_quorum=self.config.max_quorum, grace_max_s=q.grace_max_s, deadline_s=q.round_timeout_s
+        )
+
+    def eval_batches(self) -> list:
+        preset = PRESETS[self.config.model]
+        return held_out_batches(self.config.corpus, self.config.inner.batch_size, preset.block_size, self.config.eval_batches)
+
+    def max_delta_bytes(self) -> int:
+        """Largest acceptable delta object: the model in fp32 plus a generous header."""
+        return sum(t.numel() * 4 for t in self.model.values()) + 1_000_000

@@ -1,0 +1,145 @@
+"""A learner's unit of work: one phase of H inner steps from a published round, ending in a delta.
+
+`LearnerSession` holds what lives across phases in the learner's process (model, inner AdamW,
+data cursor) and knows how to restore it from the learner's newest saved state, so a restarted
+learner continues where it stopped. `train_phase` is the Prefect task: one task run per phase.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.config import RunConfig
+from storage import layout
+from storage.codec import decode_state, encode, encode_state
+from storage.corpus import read_corpus
+from storage.rounds import get_tensors, read_manifest, stop_requested
+from storage.store import ObjectStore, Stores
+from tasks.data import BatchSampler, shard, split_held_out
+from tasks.inner import InnerConfig, InnerTrainer
+from tasks.model import build_model
+
+STOP_CHECK_S = 2.0
+
+
+def inner_config(cfg: RunConfig) -> InnerConfig:
+    s = cfg.inner
+    return InnerConfig(
+        lr=s.lr, warmup_steps=s.warmup_steps, total_steps=s.total_steps, min_lr_ratio=s.min_lr_ratio,
+        weight_decay=s.weight_decay, grad_clip=s.grad_clip,
+    )
+
+
+@dataclass
+class LearnerSession:
+    config: RunConfig
+    run: str
+    learner: str
+    region: str
+    stores: Stores
+    trainer: InnerTrainer
+    next_phase: int = 0
+    last_base: int | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def global_store(self) -> ObjectStore:
+        return self.stores.global_
+
+    @property
+    def regional_store(self) -> ObjectStore:
+        return self.stores.region(self.region)
+
+    @classmethod
+    def open(cls, config: RunConfig, run: str, learner: str, stores: Stores) -> "LearnerSession":
+        """Build the learner from the run's config and restore its newest saved state, if any."""
+        index = {name: i for name, _, i in config.learners()}
+        if learner not in index:
+            raise ValueError(f"learner {learner!r} is not part of run {run} ({', '.join(index)})")
+        region = next(r for name, r, _ in config.learners() if name == learner)
+        torch.set_num_threads(config.threads_per_learner())
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = build_model(config.model, config.seed).to(device)
+        train, _ = split_held_out(read_corpus(config.corpus))
+        data = shard(train, index[learner], config.num_learners, block_size=model.config.block_size)
+        sampler = BatchSampler(data, config.inner.batch_size, model.config.block_size, seed=config.seed * 1000 + index[learner])
+        trainer = InnerTrainer(model, sampler, inner_config(config), device=device)
+        session = cls(config, run, learner, region, stores, trainer, device=device)
+        session.restore()
+        return session
+
+    def restore(self) -> None:
+        """Continue after the newest phase this learner finished (its state and delta are in S3)."""
+        store = self.regional_store
+        states = {p: k for k in store.list(layout.learner_state_prefix(self.run, self.learner)) if (p := layout.parse_state_key(k)) is not None}
+        deltas = [
+            parsed[1]
+            for k in store.list(layout.deltas_prefix(self.run) + self.learner + "/")
+            if (parsed := layout.parse_delta_key(k)) and parsed[0] == self.learner
+        ]
+        if states:
+            newest = max(states)
+            data = store.get(states[newest])
+            self.trainer.load_state_dict(decode_state(data))
+        self.next_phase = max([*states, *deltas], default=-1) + 1
+
+    def base(self, round_: int) -> dict[str, torch.Tensor]:
+        manifest, _ = read_manifest(self.global_store, self.run, round_)
+        return get_tensors(self.global_store, manifest.model)
+
+    def stop_check(self):
+        """A cheap should-stop callable: asks storage at most every STOP_CHECK_S seconds."""
+        last = [time.monotonic()]
+
+        def should_stop() -> bool:
+            if time.monotonic() - last[0] < STOP_CHECK_S:
+                return False
+            last[0] = time.monotonic()
+            return stop_requested(self.global_store, self.run)
+
+        return should_stop
+
+    def io_totals(self) -> tuple[int, int]:
+        g, r = self.global_store.io, self.regional_store.io
+        return g.bytes_read + r.bytes_read, g.bytes_written + r.bytes_written
+
+
+@task(name="train-phase", cache_policy=NO_CACHE, task_run_name="{session.learner}/phase-{phase}")
+def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
+    """Train H steps from round `base_round`, then write the delta and the learner's state."""
+    log = get_run_logger()
+    cfg = session.config
+    base = session.base(base_round)
+    result = session.trainer.run_phase(
+        base, cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check()
+    )
+    session.last_base = base_round
+    if result.steps == 0:
+        log.info("%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase)
+        return {"phase": phase, "steps": 0}
+    store = session.regional_store
+    io_read, io_written = session.io_totals()
+    meta = {
+        "run": session.run, "learner": session.learner, "region": session.region, "phase": phase,
+        "base_round": base_round, "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
+        "seconds": f"{result.seconds:.3f}", "finished_at": f"{time.time():.3f}",
+        "io_read": io_read, "io_written": io_written,
+    }
+    delta = encode(result.delta, meta, cfg.codec)
+    store.put_or_verify(layout.delta_key(session.run, session.learner, phase), delta)
+    # The delta first: a crash before the state is saved re-trains from the older state, it never
+    # loses a finished delta.
+    state = encode_state(session.trainer.state_dict(), {"phase": str(phase), "base_round": str(base_round)})
+    store.put_or_verify(layout.learner_state_key(session.run, session.learner, phase), state)
+    session.next_phase = phase + 1
+    log.info(
+        "%s learner %s (%s) phase %d on round %d: loss %.3f, %d tokens, %.1f s, delta %.2f MB",
+        session.run, session.learner, session.region, phase, base_round, result.loss, result.tokens,
+        result.seconds, len(delta) / 1e6,
+    )
+    return {"phase": phase, "steps": result.steps, "tokens": result.tokens, "loss": result.loss, "seconds": result.seconds}

@@ -1,0 +1,70 @@
+"""What makes a delta acceptable, as pure functions: each returns a reason to quarantine or None.
+
+Kept apart from reading and from Prefect so the synchronizer, `islands audit` and the tests all
+judge a delta by the same rules.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+REQUIRED_METADATA = ("run", "learner", "region", "phase", "base_round", "inner_steps", "tokens", "loss")
+INT_FIELDS = ("phase", "base_round", "inner_steps", "tokens")
+
+
+def check_metadata(meta: dict[str, str], run: str, learner: str, phase: int, round_: int) -> str | None:
+    """The delta's own claims must be complete, parse, and agree with where it was found."""
+    missing = [k for k in REQUIRED_METADATA if k not in meta]
+    if missing:
+        return f"metadata missing: {', '.join(missing)}"
+    try:
+        ints = {k: int(meta[k]) for k in INT_FIELDS}
+        loss = float(meta["loss"])
+    except ValueError:
+        return "metadata not numeric where it must be"
+    if meta["run"] != run:
+        return f"wrong run id {meta['run']!r} (this run is {run!r})"
+    if meta["learner"] != learner or ints["phase"] != phase:
+        return f"metadata names {meta['learner']} phase {ints['phase']}, but the key says {learner} phase {phase}"
+    if ints["base_round"] > round_:
+        return f"base round {ints['base_round']} is from the future (newest published round is {round_})"
+    if ints["base_round"] < 0 or ints["tokens"] <= 0 or ints["inner_steps"] <= 0:
+        return "base round, tokens and inner steps must be positive"
+    if not math.isfinite(loss):
+        return "loss is not finite"
+    return None
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> str | None:
+    """Same names, shapes and float dtype as the model, all values finite."""
+    if set(tensors) != set(reference):
+        extra, missing = sorted(set(tensors) - set(reference)), sorted(set(reference) - set(tensors))
+        return f"wrong tensor names (unexpected {extra[:3]}, missing {missing[:3]})"
+    for name, ref in reference.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(ref.shape):
+            return f"wrong shape for {name}: {tuple(t.shape)} instead of {tuple(ref.shape)}"
+        if not t.is_floating_point():
+            return f"wrong dtype for {name}: {t.dtype}"
+        if not torch.isfinite(t).all():
+            return f"non-finite values (NaN or Inf) in {name}"
+    return None
+
+
+def global_norm(tensors: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
+def norm_outliers(norms: dict[str, float], factor: float = 10.0) -> dict[str, str]:
+    """Keys whose norm is more than `factor`× from the median of the others (needs 3 or more)."""
+    out = {}
+    if len(norms) < 3:
+        return out
+    for key, n in norms.items():
+        med = statistics.median(v for k, v in norms.items() if k != key)
+        if med > 0 and (n > factor * med or n < med / factor):
+            out[key] = f"norm {n:.3g} far outside the others' (median {med:.3g}, limit ×{factor:g})"
+    return out

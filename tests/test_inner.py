@@ -1,0 +1,166 @@
+import math
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from tasks.data import BatchSampler
+from tasks.inner import InnerConfig, InnerTrainer, lr_at
+from tasks.model import build_model
+
+DATA = bytes((i * 7 + i // 13) % 256 for i in range(8192))
+CFG = InnerConfig(lr=1e-3, warmup_steps=2, total_steps=20)
+
+
+def make_trainer(model_seed=0, sampler_seed=0, **kwargs):
+    sampler = BatchSampler(DATA, batch_size=2, block_size=16, seed=sampler_seed)
+    return InnerTrainer(build_model("tiny", model_seed), sampler, CFG, **kwargs)
+
+
+def base_weights(seed=0):
+    return {k: v.clone() for k, v in build_model("tiny", seed).state_dict().items()}
+
+
+def test_lr_schedule_points():
+    cfg = InnerConfig(lr=1e-3, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(4, cfg) == pytest.approx(5e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(5.5e-4)  # halfway down the cosine
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    assert lr_at(10_000, cfg) == pytest.approx(1e-4)
+    assert lr_at(0, InnerConfig(warmup_steps=0)) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [({"lr": 0}, "lr"), ({"warmup_steps": 700}, "total_steps"), ({"min_lr_ratio": 2}, "min_lr_ratio"), ({"beta2": 1.0}, "beta2")],
+)
+def test_inner_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"InnerConfig.{field}"):
+        InnerConfig(**kwargs)
+
+
+def test_weight_decay_only_on_matrices():
+    trainer = make_trainer()
+    decay, no_decay = trainer.optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(trainer.model.parameters()))
+
+
+def test_run_phase_returns_base_minus_local():
+    trainer = make_trainer(model_seed=1)
+    base = base_weights(0)
+    base_copy = {k: v.clone() for k, v in base.items()}
+    seen = []
+    result = trainer.run_phase(base, steps=3, on_step=lambda step, loss: seen.append((step, loss)))
+    assert result.steps == 3 and trainer.step == 3
+    assert result.tokens == 3 * 2 * 16
+    assert [s for s, _ in seen] == [1, 2, 3] and [l for _, l in seen] == result.losses
+    assert result.loss == pytest.approx(sum(result.losses) / 3)
+    assert abs(result.losses[0] - math.log(256)) < 0.2
+    for name, param in trainer.model.named_parameters():
+        assert result.delta[name].dtype == torch.float32
+        assert torch.equal(result.delta[name], base[name] - param.detach())
+        assert torch.equal(base[name], base_copy[name])  # base itself is untouched
+    assert result.delta["wte.weight"].abs().max() > 0
+
+
+def test_inner_optimizer_state_persists_across_phases():
+    base = base_weights()
+    trainer = make_trainer()
+    trainer.run_phase(base, steps=3)
+    first_param = next(trainer.model.parameters())
+    assert float(trainer.optimizer.state[first_param]["step"]) == 3.0
+
+    adam_steps = []
+
+    def record(step, loss):
+        adam_steps.append(float(trainer.optimizer.state[first_param]["step"]))
+
+    trainer.run_phase(base, steps=1, on_step=record)
+    assert adam_steps == [4.0] and trainer.step == 4
+
+    # Same weights, data position and schedule step, but a fresh AdamW: the step comes out different.
+    fresh = make_trainer()
+    fresh.sampler.load_state_dict(trainer.sampler.state_dict())
+    fresh.step = trainer.step
+    kept, reset = trainer.run_phase(base, 1), fresh.run_phase(base, 1)
+    assert not torch.equal(kept.delta["wte.weight"], reset.delta["wte.weight"])
+
+
+def test_should_stop_ends_the_phase_early():
+    trainer = make_trainer()
+    calls = []
+
+    def should_stop():
+        calls.append(trainer.step)
+        return trainer.step >= 2
+
+    result = trainer.run_phase(base_weights(), steps=5, should_stop=should_stop)
+    assert result.steps == 2 and result.tokens == 2 * 32 and len(result.losses) == 2
+    assert calls == [0, 1, 2]
+    assert torch.equal(result.delta["ln_f.weight"], base_weights()["ln_f.weight"] - trainer.model.ln_f.weight.detach())
+
+
+def test_slowdown_sleeps_for_the_extra_time_of_each_step():
+    ticks = iter(range(1000))
+    sleeps = []
+    trainer = make_trainer(clock=lambda: 0.25 * next(ticks), sleep=sleeps.append)
+    trainer.run_phase(base_weights(), steps=3, slowdown=1.0)
+    assert sleeps == []
+    result = trainer.run_phase(base_weights(), steps=3, slowdown=3.0)
+    # Each step spans one clock tick (0.25 s) of compute, so a third of the speed sleeps 2 × 0.25 s.
+    assert sleeps == [0.5, 0.5, 0.5]
+    assert result.seconds == pytest.approx(0.25 * 7)
+    with pytest.raises(ValueError, match="slowdown"):
+        trainer.run_phase(base_weights(), steps=1, slowdown=0.5)
+
+
+def test_state_dict_is_flat_and_safetensors_ready():
+    trainer = make_trainer()
+    trainer.run_phase(base_weights(), steps=2)
+    state = trainer.state_dict()
+    assert {"opt.step", "trainer.step", "sampler.generator", "sampler.draws"} <= set(state)
+    assert "opt.exp_avg.wte.weight" in state and "opt.exp_avg_sq.blocks.0.ln_1.weight" in state
+    assert int(state["opt.step"]) == 2 and int(state["trainer.step"]) == 2 and int(state["sampler.draws"]) == 2
+    assert all(t.is_contiguous() and t.device.type == "cpu" for t in state.values())
+    assert len({t.data_ptr() for t in state.values()}) == len(state)
+    n_params = len(list(trainer.model.parameters()))
+    assert sum(k.startswith("opt.exp_avg.") for k in state) == n_params
+
+
+@pytest.mark.parametrize("steps_before", [0, 3])
+def test_restore_through_safetensors_continues_bit_identically(steps_before):
+    base = base_weights()
+    uninterrupted = make_trainer()
+    first = uninterrupted.run_phase(base, steps=steps_before)
+    blob = save(uninterrupted.state_dict())
+    next_base = {k: base[k] - first.delta[k] for k in base}
+    expected = uninterrupted.run_phase(next_base, steps=3)
+
+    restored = make_trainer(model_seed=5, sampler_seed=77)
+    restored.load_state_dict(load(blob))
+    assert restored.step == steps_before
+    got = restored.run_phase(next_base, steps=3)
+    assert got.losses == expected.losses
+    for name in expected.delta:
+        assert torch.equal(got.delta[name], expected.delta[name]), name
+    assert restored.step == uninterrupted.step == steps_before + 3
+
+
+def test_load_state_dict_rejects_a_state_from_another_model():
+    state = make_trainer().state_dict()
+    state["opt.exp_avg.extra.weight"] = torch.zeros(1)
+    del state["trainer.step"]
+    with pytest.raises(ValueError, match="missing \\['trainer.step'\\].*extra.weight"):
+        make_trainer().load_state_dict(state)
+
+
+def test_load_state_dict_rejects_moments_of_another_shape():
+    state = make_trainer().state_dict()
+    state["opt.exp_avg.wte.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="wte.weight has shape \\(3, 3\\)"):
+        make_trainer().load_state_dict(state)

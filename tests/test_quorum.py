@@ -1,0 +1,111 @@
+import pytest
+
+from tasks.quorum import Decision, LearnerHistory, QuorumPolicy, decide
+
+POLICY = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0)
+LEARNERS = ["a", "b", "c", "d"]
+START = 1000.0  # the round opens; its deadline is 1300
+
+
+def history(**expected_phase):
+    """learner=(last_arrival, [phase seconds])."""
+    return {name: LearnerHistory(phase_seconds=list(s), last_arrival=last) for name, (last, s) in expected_phase.items()}
+
+
+def at(now, arrived, hist=None, policy=POLICY):
+    return decide(policy, START, now, arrived, LEARNERS, hist or {})
+
+
+def test_expected_arrival():
+    assert LearnerHistory([100.0, 110.0], 1020.0).expected_arrival() == 1125.0
+    assert LearnerHistory([], 1020.0).expected_arrival() is None
+    assert LearnerHistory([100.0], None).expected_arrival() is None
+
+
+def test_all_in_at_max_quorum():
+    arrived = {"a": 1010.0, "b": 1020.0, "c": 1030.0, "d": 1040.0}
+    assert at(1040.0, arrived) == Decision(close=True, reason="all-in", recheck_at=None, waiting_for=())
+    three = QuorumPolicy(min_quorum=2, max_quorum=3, grace_max_s=30.0, deadline_s=300.0)
+    assert at(1030.0, {"a": 1010.0, "b": 1020.0, "c": 1030.0}, policy=three).reason == "all-in"
+    # Every listed learner is in: nobody is left to wait for, even below max_quorum.
+    everyone = decide(POLICY, START, 1030.0, {"a": 1010.0, "b": 1020.0, "c": 1030.0}, ["a", "b", "c"], {})
+    assert everyone == Decision(close=True, reason="all-in", recheck_at=None, waiting_for=())
+
+
+def test_before_quorum_waits_for_everyone_until_the_deadline():
+    assert at(1050.0, {"a": 1050.0}) == Decision(close=False, reason=None, recheck_at=1300.0, waiting_for=("b", "c", "d"))
+
+
+def test_grace_waits_for_a_learner_expected_soon_and_closes_when_it_arrives():
+    # Quorum at 1110 (b is the 2nd arrival), grace until 1140. c is expected at 1020 + 105 = 1125: wait.
+    # d is expected at 1000 + 300 = 1300, after the grace cap: not waited for.
+    hist = history(c=(1020.0, [100.0, 110.0]), d=(1000.0, [300.0]))
+    arrived = {"a": 1100.0, "b": 1110.0}
+    assert at(1110.0, arrived, hist) == Decision(close=False, reason=None, recheck_at=1125.0, waiting_for=("c",))
+    assert at(1124.0, arrived, hist).close is False
+
+    arrived["c"] = 1120.0
+    assert at(1120.0, arrived, hist) == Decision(close=True, reason="quorum+grace", recheck_at=None, waiting_for=())
+
+
+def test_grace_gives_up_at_the_expected_time_when_the_learner_is_late():
+    hist = history(c=(1020.0, [100.0, 110.0]))
+    arrived = {"a": 1100.0, "b": 1110.0}
+    assert at(1125.0, arrived, hist) == Decision(close=True, reason="quorum+grace", recheck_at=None, waiting_for=())
+
+
+def test_closes_at_quorum_when_the_missing_are_expected_after_the_grace_cap_or_unknown():
+    hist = history(c=(1100.0, [200.0]), d=(None, [50.0]))  # c at 1300 > 1140; d unknown
+    decision = at(1110.0, {"a": 1100.0, "b": 1110.0}, hist)
+    assert decision == Decision(close=True, reason="quorum+grace", recheck_at=None, waiting_for=())
+
+
+def test_grace_cap_reached():
+    # b expected at 1130, c exactly at the cap 1110 + 30 = 1140: both waited for, at most until 1140.
+    hist = history(b=(1030.0, [100.0]), c=(1020.0, [110.0, 130.0]))
+    arrived = {"a": 1100.0, "d": 1110.0}
+    assert at(1111.0, arrived, hist) == Decision(close=False, reason=None, recheck_at=1140.0, waiting_for=("b", "c"))
+    arrived["b"] = 1131.0
+    assert at(1139.9, arrived, hist) == Decision(close=False, reason=None, recheck_at=1140.0, waiting_for=("c",))
+    assert at(1140.0, arrived, hist).reason == "quorum+grace"
+
+
+def test_quorum_time_is_the_min_quorum_th_arrival():
+    # Three arrivals; quorum (2) was reached at 1050, so the grace window ends at 1080 — not 30 s after the last.
+    hist = history(d=(1000.0, [85.0]))  # expected 1085 > 1080
+    assert at(1070.0, {"a": 1010.0, "b": 1050.0, "c": 1070.0}, hist).reason == "quorum+grace"
+    hist = history(d=(1000.0, [75.0]))  # expected 1075 <= 1080
+    assert at(1070.0, {"a": 1010.0, "b": 1050.0, "c": 1070.0}, hist).recheck_at == 1075.0
+
+
+def test_timeout_with_some_arrivals():
+    assert at(1299.0, {"a": 1200.0}).close is False
+    assert at(1300.0, {"a": 1200.0}) == Decision(close=True, reason="timeout", recheck_at=None, waiting_for=())
+
+
+def test_timeout_with_no_arrivals():
+    assert at(1299.9, {}) == Decision(close=False, reason=None, recheck_at=1300.0, waiting_for=("a", "b", "c", "d"))
+    assert at(1300.0, {}) == Decision(close=True, reason="timeout", recheck_at=None, waiting_for=())
+
+
+def test_deadline_cuts_the_grace_window_short():
+    short = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=120.0)  # deadline 1120
+    hist = history(c=(1020.0, [105.0]))  # expected 1125
+    arrived = {"a": 1100.0, "b": 1110.0}
+    assert at(1111.0, arrived, hist, short) == Decision(close=False, reason=None, recheck_at=1120.0, waiting_for=("c",))
+    assert at(1120.0, arrived, hist, short).reason == "timeout"
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"min_quorum": 0}, "min_quorum"),
+        ({"min_quorum": 3, "max_quorum": 2}, "max_quorum"),
+        ({"grace_max_s": -1.0}, "grace_max_s"),
+        ({"deadline_s": 0.0}, "deadline_s"),
+    ],
+)
+def test_invalid_policy_names_the_field(kwargs, field):
+    fields = {"min_quorum": 1, "max_quorum": 2, "grace_max_s": 10.0, "deadline_s": 60.0} | kwargs
+    with pytest.raises(ValueError, match=f"QuorumPolicy.{field}"):
+        QuorumPolicy(**fields)
