@@ -14,7 +14,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from flows.config import ConfigError, RunConfig, load_config
+from flows.config import ConfigError, RunConfig, load_config, new_run_id
 
 EXIT_CONFIG = 2
 
@@ -159,8 +159,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return fail(str(exc))
     if config.run_id is None:
-        from flows.training_run import new_run_id
-
         config = config.model_copy(update={"run_id": new_run_id()})
     return execute(config, args.json)
 

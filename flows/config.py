@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -159,6 +160,10 @@ class RunConfig(BaseModel):
 
     def slowdown(self, region: str) -> float:
         return 1.0 / self.speed.get(region, 1.0)
+
+
+def new_run_id() -> str:
+    return f"run-{secrets.token_hex(3)}"
 
 
 def explain(exc: ValidationError) -> str:

@@ -15,7 +15,7 @@ def mb(n: int) -> str:
 class ProgressView:
     def __init__(self, run: str, console: Console | None = None):
         self.run = run
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, soft_wrap=True)
 
     def header(self, newest: Manifest, config: RunConfig) -> None:
         slow = ", ".join(f"{r}×{f:g}" for r, f in config.speed.items()) or "none"

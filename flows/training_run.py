@@ -8,7 +8,6 @@ on one machine the local runner starts them as processes — the same call eithe
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from uuid import UUID
 
@@ -19,7 +18,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelling
 
 from flows.artifacts import RunProgress, publish_report
-from flows.config import RunConfig
+from flows.config import RunConfig, new_run_id
 from flows.outer_round import outer_round, summarize
 from flows.progress import ProgressView
 from storage import layout
@@ -29,10 +28,6 @@ from tasks.publish import publish_initial
 
 EMBEDDED_STORE = "s3://islands-{bucket}"
 LEARNER_EXIT_S = 120.0
-
-
-def new_run_id() -> str:
-    return f"run-{secrets.token_hex(3)}"
 
 
 def _name() -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import fsspec
 
 _MEMORY_LOCK = threading.Lock()
+_COUNTERS: dict[str, "IOCounters"] = {}
 
 
 class StoreError(Exception):
@@ -38,7 +39,8 @@ def sha256_hex(data: bytes) -> str:
 
 @dataclass
 class IOCounters:
-    """Bytes and requests that really crossed the wire for one store."""
+    """Bytes and requests that really crossed the wire for one bucket, shared by every
+    ObjectStore of this process that addresses it."""
 
     bytes_read: int = 0
     bytes_written: int = 0
@@ -56,10 +58,11 @@ class ObjectStore:
 
     url: str
     storage_options: dict = field(default_factory=dict)
-    io: IOCounters = field(default_factory=IOCounters)
+    io: IOCounters = field(init=False)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
+        self.io = _COUNTERS.setdefault(self.url, IOCounters())
         self.protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.root = self.root.rstrip("/")

@@ -111,9 +111,10 @@ def collect(state: RoundState) -> Collected:
                     if isinstance(found, Excluded):
                         log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
         arrivals = [a for a in seen.values() if isinstance(a, Arrival)]
+        # Only deltas from the parent round count towards the quorum; staler ones still merge.
         fresh: dict[str, float] = {}
         for a in arrivals:
-            if state.round - 1 - a.base_round <= cfg.merge.max_staleness:
+            if a.base_round == state.round - 1:
                 fresh[a.learner] = min(fresh.get(a.learner, a.finished_at), a.finished_at)
         now = time.time()
         decision = decide(policy, started, now, fresh, learners, history)

@@ -88,6 +88,14 @@ class LearnerSession:
             self.trainer.load_state_dict(decode_state(data))
         self.next_phase = max([*states, *deltas], default=-1) + 1
 
+    def collect_old_states(self, newest: int) -> None:
+        """Garbage-collect saved states older than the one before `newest` (only those are read)."""
+        store = self.regional_store
+        for key in store.list(layout.learner_state_prefix(self.run, self.learner)):
+            p = layout.parse_state_key(key)
+            if p is not None and p < newest - 1:
+                store.delete(key)
+
     def base(self, round_: int) -> dict[str, torch.Tensor]:
         manifest, _ = read_manifest(self.global_store, self.run, round_)
         return get_tensors(self.global_store, manifest.model)
@@ -136,6 +144,7 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
     # loses a finished delta.
     state = encode_state(session.trainer.state_dict(), {"phase": str(phase), "base_round": str(base_round)})
     store.put_or_verify(layout.learner_state_key(session.run, session.learner, phase), state)
+    session.collect_old_states(phase)
     session.next_phase = phase + 1
     log.info(
         "%s learner %s (%s) phase %d on round %d: loss %.3f, %d tokens, %.1f s, delta %.2f MB",
