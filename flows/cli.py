@@ -67,8 +67,6 @@ def overrides(args: argparse.Namespace) -> dict:
             out[field] = getattr(args, attr)
     if args.regions:
         out["regions"] = [r.strip() for r in args.regions.split(",") if r.strip()]
-        if not args.speed and not (args.config and "speed" in args.config.read_text()):
-            out["speed"] = {}
     if args.min_quorum is not None:
         out["quorum.min_quorum"] = args.min_quorum
     if args.speed:

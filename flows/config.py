@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+DEMO_SPEED = {"eu-west": 0.33}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{1,40}[a-z0-9]$")
 
 
@@ -75,7 +76,7 @@ class RunConfig(BaseModel):
     corpus: str = Field("stdlib", description="fsspec URL or glob of the training text; 'stdlib' = Python's own sources.")
     seed: int = Field(0, description="Seed of the initial model and of every learner's data order.")
     speed: dict[str, float] = Field(
-        {"eu-west": 0.33}, description="Per-region compute speed (1 = full); a slower region really takes longer."
+        DEMO_SPEED, description="Per-region compute speed (1 = full); a slower region really takes longer."
     )
     codec: Literal["fp32", "bf16"] = Field("fp32", description="Wire format of deltas.")
     store: str | None = Field(
@@ -188,12 +189,19 @@ def load_config(path: Path | None, overrides: dict) -> RunConfig:
             raise ConfigError(f"--config: {path} does not exist") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"--config: {path} is not valid TOML ({exc})") from exc
+        except OSError as exc:
+            raise ConfigError(f"--config: {path} cannot be read ({exc.strerror})") from exc
     for key, value in overrides.items():
         section, _, field = key.partition(".")
-        if field:
-            data.setdefault(section, {})[field] = value
-        else:
+        if not field:
             data[key] = value
+        elif isinstance(data.setdefault(section, {}), dict):
+            data[section][field] = value
+        else:
+            raise ConfigError(f"{section}: must be a table of fields, e.g. [{section}] with {field} = ...")
+    if "regions" in data and "speed" not in data:
+        # The demo's slow region applies only where the run has that region.
+        data["speed"] = {r: f for r, f in DEMO_SPEED.items() if r in data["regions"]}
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

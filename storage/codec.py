@@ -35,7 +35,23 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: st
         out[name] = (t.to(wire) if t.is_floating_point() else t).contiguous()
     meta = {k: str(v) for k, v in metadata.items()}
     meta["codec"] = codec
-    return st_save(out, metadata=meta)
+    return canonical(st_save(out, metadata=meta))
+
+
+def canonical(data: bytes) -> bytes:
+    """The same tensors and metadata always give the same bytes (and so the same sha256).
+
+    safetensors writes metadata entries in hash-map order, which changes from call to call;
+    content-addressed checkpoints and bit-for-bit replays need one spelling. The header is
+    re-written with sorted metadata, compact separators and the format's 8-byte space padding.
+    """
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__", None)
+    ordered = ({"__metadata__": dict(sorted(meta.items()))} if meta else {}) | header
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
 
 
 def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict[str, str]]:
@@ -66,13 +82,19 @@ def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict
     for name, info in header.items():
         try:
             dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            if not isinstance(dtype, str) or not isinstance(shape, list):
+                raise TypeError("dtype must be a string and shape a list")
+            numel = 1
+            for d in shape:
+                if not isinstance(d, int) or d < 0:
+                    raise ValueError(f"bad dimension {d!r}")
+                numel *= d
+            if not isinstance(start, int) or not isinstance(end, int):
+                raise TypeError("data_offsets must be integers")
         except (KeyError, TypeError, ValueError) as exc:
-            raise CodecError(f"tensor {name!r}: malformed entry") from exc
+            raise CodecError(f"tensor {name!r}: malformed entry ({exc})") from exc
         if dtype not in _DTYPE_BYTES:
             raise CodecError(f"tensor {name!r}: unsupported dtype {dtype}")
-        numel = 1
-        for d in shape:
-            numel *= int(d)
         if not (0 <= start <= end <= body) or end - start != numel * _DTYPE_BYTES[dtype]:
             raise CodecError(f"tensor {name!r}: byte range {start}..{end} does not fit the object")
     return header, metadata
@@ -90,7 +112,7 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 def encode_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     """Exact serialization (no codec) for checkpoints and optimizer state."""
-    return st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata or {})
+    return canonical(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata or None))
 
 
 def decode_state(data: bytes) -> dict[str, torch.Tensor]:

@@ -197,6 +197,9 @@ class ObjectStore:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return {}
+        # s3fs would answer later HEADs and GETs from this listing; objects are only ever added,
+        # so a cached listing would hide what other processes write next.
+        self.fs.invalidate_cache()
         root = self.root + "/"
         out = {}
         for path, info in found.items():

@@ -52,4 +52,4 @@ def s3_bucket(s3_endpoint):
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1",
                  aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=name)
     s3fs.S3FileSystem.clear_instance_cache()
-    return name
+    yield name

@@ -96,14 +96,6 @@ def test_encoding_with_one_metadata_entry_is_deterministic():
     assert encode_state(tensors(), {"round": "1"}) != encode_state(tensors(), {"round": "2"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="encode/encode_state are not deterministic once metadata has two or more entries: safetensors writes "
-    "__metadata__ in the random iteration order of a Rust HashMap, so the same tensors and metadata give "
-    "different bytes from call to call; publish names checkpoints by sha256 of these bytes "
-    "(model-<sha16>, put_tensors with {'run','round'}), so an idempotent retry or a replay of the same merge "
-    "yields another model key and sha256 (commit() then reports 'adopted' instead of 'idempotent')",
-)
 def test_encoding_with_several_metadata_entries_is_deterministic():
     shas = {sha256_hex(encode_state(tensors(), {"run": "run-abc", "round": "3"})) for _ in range(30)}
     assert len(shas) == 1
@@ -185,12 +177,6 @@ def test_overlapping_tensors_are_refused_by_decode():
         decode(data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_header lets TypeError/ValueError escape for malformed tensor entries whose values have the "
-    "wrong JSON type (string data_offsets, non-list or non-numeric shape, non-string dtype); callers such as "
-    "tasks/collect.inspect catch only CodecError, so one crafted delta crashes the round instead of being quarantined",
-)
 @pytest.mark.parametrize(
     "entry",
     [

@@ -45,7 +45,10 @@ def finished_run(stack):
     wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    s3 = boto3.client("s3", endpoint_url=s.s3_url, region_name="us-east-1")
+    s3 = boto3.client(
+        "s3", endpoint_url=s.s3_url, region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
     return summary, s3, wall
 
 
