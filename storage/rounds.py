@@ -64,10 +64,16 @@ def stop_requested(store: ObjectStore, run: str) -> bool:
     return store.exists(layout.stop_key(run))
 
 
-def object_metadata(store: ObjectStore, key: str) -> dict[str, str]:
-    """A safetensors object's metadata from two ranged reads, without fetching the tensors."""
+def object_header(store: ObjectStore, key: str) -> tuple[dict, dict[str, str], int]:
+    """A safetensors object's (tensor table, metadata, offset of the tensor data) from two
+    ranged reads, without fetching the tensors."""
     size = store.size(key)
     head = store.get_range(key, 0, 8)
     n = int.from_bytes(head, "little")
-    _, meta = read_header(head + store.get_range(key, 8, 8 + min(n, MAX_HEADER_BYTES)), object_size=size)
-    return meta
+    table, meta = read_header(head + store.get_range(key, 8, 8 + min(n, MAX_HEADER_BYTES)), object_size=size)
+    return table, meta, 8 + n
+
+
+def object_metadata(store: ObjectStore, key: str) -> dict[str, str]:
+    """A safetensors object's metadata, without fetching the tensors."""
+    return object_header(store, key)[1]

@@ -121,3 +121,23 @@ def outer_step(
     """
     new_momentum = delta.clone() if momentum is None else momentum.mul(mu).add(delta)
     return param.add(delta.add(new_momentum, alpha=mu), alpha=-lr), new_momentum
+
+
+def merge_round(
+    params: dict[str, torch.Tensor],
+    momentum: dict[str, torch.Tensor] | None,
+    deltas: list[dict[str, torch.Tensor]],
+    weights: list[float],
+    rule: MergeRule,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """θ_r and the new momentum from the parent's θ and momentum and the weighted deltas.
+
+    The one place the synchronizer and `islands audit --replay` compute a round, so a replay
+    reproduces the published bits.
+    """
+    model, new_momentum = {}, {}
+    for name, param in params.items():
+        delta = weighted_average([d[name] for d in deltas], weights)
+        prev = momentum[name] if momentum is not None else None
+        model[name], new_momentum[name] = outer_step(param, prev, delta, rule.outer_lr, rule.outer_momentum)
+    return model, new_momentum

@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from storage.manifest import Contribution, Excluded
 from tasks.collect import Arrival, Collected
 from tasks.data import evaluate
-from tasks.merge import Candidate, MergeRule, outer_step, plan_merge, weighted_average
+from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
 from tasks.model import build_model
 from tasks.round_state import RoundState
 from tasks.validate import global_norm, norm_outliers
@@ -50,13 +50,8 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     if not weighted:
         return None, None, weighted, dropped
     by_id = {(a.learner, a.phase): a for a in arrivals}
-    used = [by_id[(w.candidate.learner, w.candidate.phase)] for w in weighted]
-    weights = [w.weight for w in weighted]
-    model, momentum = {}, {}
-    for name, param in state.model.items():
-        delta = weighted_average([a.tensors[name] for a in used], weights)
-        prev = state.momentum[name] if state.momentum is not None else None
-        model[name], momentum[name] = outer_step(param, prev, delta, rule.outer_lr, rule.outer_momentum)
+    used = [by_id[(w.candidate.learner, w.candidate.phase)].tensors for w in weighted]
+    model, momentum = merge_round(state.model, state.momentum, used, [w.weight for w in weighted], rule)
     return model, momentum, weighted, dropped
 
 

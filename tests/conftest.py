@@ -53,3 +53,33 @@ def s3_bucket(s3_endpoint):
                  aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=name)
     s3fs.S3FileSystem.clear_instance_cache()
     yield name
+
+
+STACK_REGIONS = ["north", "south"]
+
+
+@pytest.fixture(scope="session")
+def islands_stack(tmp_path_factory):
+    """One embedded stack (moto S3 in its own process, Prefect API, learner runner) shared by the
+    tests that need Prefect; recorded in its home so `islands` commands given ISLANDS_HOME reuse it."""
+    from infra.stack import LocalStack
+
+    home = tmp_path_factory.mktemp("islands-stack")
+    with LocalStack(home, ["islands-global", *(f"islands-{r}" for r in STACK_REGIONS)]).start(record=True) as stack:
+        yield stack, home
+
+
+@pytest.fixture(scope="module")
+def on_stack(islands_stack):
+    """Point this process (S3 clients, the Prefect client) and its children at the session stack."""
+    import s3fs
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    stack, home = islands_stack
+    env = {**stack.env(), "ISLANDS_HOME": str(home)}
+    with pytest.MonkeyPatch.context() as mp, temporary_settings(updates={PREFECT_API_URL: stack.api_url}):
+        for key, value in env.items():
+            mp.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield env
+    s3fs.S3FileSystem.clear_instance_cache()

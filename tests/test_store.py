@@ -1,7 +1,6 @@
 """The object-store contract, on a local folder and on the real S3 API (moto's server on 127.0.0.1)."""
 
 import multiprocessing
-import os
 import threading
 import uuid
 

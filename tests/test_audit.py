@@ -1,0 +1,174 @@
+"""`islands audit` on a real run: clean it passes (ledger balanced, every merge replayed bit for
+bit); after each kind of tampering it exits 1 naming the round and the object.
+
+One short run (2 regions, 3 rounds, H = 5) through `islands run` on the session stack; each test
+breaks the stored objects with plain S3 writes and puts the original bytes back afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from flows.cli import main
+from infra.s3_server import client
+from storage import layout
+from storage.codec import decode_state, encode_state, read_header
+from storage.manifest import Manifest
+
+RUN = "audit-run"
+GLOBAL = "islands-global"
+TEMPLATE = "s3://islands-{bucket}"
+
+
+@pytest.fixture(scope="module")
+def s3(on_stack, tmp_path_factory):
+    config = tmp_path_factory.mktemp("audit-run") / "run.toml"
+    config.write_text("eval_batches = 2\n")
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-id", RUN, "--regions", "north,south",
+           "--rounds", "3", "--inner-steps", "5", "--min-quorum", "2"]
+    proc = subprocess.run(cmd, env={**os.environ, **on_stack}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return client(on_stack["AWS_ENDPOINT_URL"])
+
+
+def read(s3, key: str, bucket: str = GLOBAL) -> bytes:
+    return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def manifest(s3, round_: int) -> Manifest:
+    return Manifest.from_bytes(read(s3, layout.manifest_key(RUN, round_)))
+
+
+def flip(data: bytes, at: int = -10) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0x01
+    return bytes(out)
+
+
+@contextmanager
+def tampered(s3, changes: dict[tuple[str, str], bytes | None]):
+    """Overwrite (bytes) or delete (None) objects as an attacker with raw write access would; restore after."""
+    saved = {(b, k): read(s3, k, b) for b, k in changes}
+    try:
+        for (bucket, key), body in changes.items():
+            if body is None:
+                s3.delete_object(Bucket=bucket, Key=key)
+            else:
+                s3.put_object(Bucket=bucket, Key=key, Body=body)
+        yield
+    finally:
+        for (bucket, key), body in saved.items():
+            s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def audit(capsys, *flags: str) -> tuple[int, str]:
+    code = main(["audit", RUN, "--store", TEMPLATE, *flags])
+    return code, capsys.readouterr().out
+
+
+def test_a_clean_run_passes_with_replay_and_balanced_books(s3, on_stack):
+    """The real command, on the embedded stack it finds through ISLANDS_HOME."""
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "audit", RUN, "--replay", "--json"],
+                          env={**os.environ, **on_stack}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["problems"] == []
+    assert report["rounds"] == 3 and report["replayed"] == 4
+    assert set(report["ledger"]) == {"north-0", "south-0"}
+    for row in report["ledger"].values():
+        assert row["trained"] > 0 and row["applied"] > 0
+        assert row["lost"] == 0 and row["trained"] == row["applied"] + row["dropped"] + row["pending"]
+
+
+def _model(s3, r: int) -> str:
+    return manifest(s3, r).model.key
+
+
+def _outer(s3, r: int) -> str:
+    return manifest(s3, r).outer.key
+
+
+def _delta(s3, r: int) -> tuple[str, str]:
+    c = manifest(s3, r).contributions[0]
+    return f"islands-{c.region}", c.key
+
+
+def _m(r: int) -> str:
+    return layout.manifest_key(RUN, r)
+
+
+def _skip_round_2(s3) -> bytes:
+    """Round 3's manifest re-pointed at round 1, as if round 2 had never been."""
+    m = manifest(s3, 3).model_copy(update={"parent_round": 1, "parent_sha256": hashlib.sha256(read(s3, _m(1))).hexdigest()})
+    return m.to_bytes()
+
+
+# (name, objects to overwrite or delete, [(round, key) the audit must name])
+CASES = {
+    "a changed byte in a checkpoint": lambda s3: ({(GLOBAL, _model(s3, 2)): flip(read(s3, _model(s3, 2)))}, [(2, _model(s3, 2))]),
+    "a changed byte in a delta": lambda s3: ({_delta(s3, 2): flip(read(s3, _delta(s3, 2)[1], _delta(s3, 2)[0]))}, [(2, _delta(s3, 2)[1])]),
+    "a changed byte in an outer state": lambda s3: ({(GLOBAL, _outer(s3, 1)): flip(read(s3, _outer(s3, 1)))}, [(1, _outer(s3, 1))]),
+    "a changed byte in a manifest": lambda s3: ({(GLOBAL, _m(1)): flip(read(s3, _m(1)), at=len(read(s3, _m(1))) // 2)}, [(1, _m(1))]),
+    "a deleted object": lambda s3: ({(GLOBAL, _outer(s3, 3)): None}, [(3, _outer(s3, 3))]),
+    "a deleted manifest": lambda s3: ({(GLOBAL, _m(2)): None}, [(2, _m(2))]),
+    "two rounds' models swapped": lambda s3: (
+        {(GLOBAL, _model(s3, 1)): read(s3, _model(s3, 2)), (GLOBAL, _model(s3, 2)): read(s3, _model(s3, 1))},
+        [(1, _model(s3, 1)), (2, _model(s3, 2))],
+    ),
+    "two rounds' manifests swapped": lambda s3: (
+        {(GLOBAL, _m(1)): read(s3, _m(2)), (GLOBAL, _m(2)): read(s3, _m(1))}, [(1, _m(1)), (2, _m(2))],
+    ),
+    "a manifest that skips a round": lambda s3: ({(GLOBAL, _m(3)): _skip_round_2(s3)}, [(3, _m(3))]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tampering_is_named_by_round_and_object(s3, capsys, case):
+    changes, named = CASES[case](s3)
+    with tampered(s3, changes):
+        code, out = audit(capsys)
+    assert code == 1, out
+    for round_, key in named:
+        assert f"round {round_}  {key}:" in out, f"{case}: round {round_} {key} not named in\n{out}"
+
+
+def test_a_rewritten_newest_manifest_passes_the_chain_but_not_the_replay(s3, capsys):
+    """The newest manifest has no successor to vouch for it; recomputing its merge does."""
+    head = manifest(s3, 3)
+    forged = head.model_copy(update={"contributions": [
+        c.model_copy(update={"weight": c.weight * (2 if i == 0 else 1)}) for i, c in enumerate(head.contributions)
+    ]})
+    with tampered(s3, {(GLOBAL, _m(3)): forged.to_bytes()}):
+        assert audit(capsys)[0] == 0
+        code, out = audit(capsys, "--replay")
+    assert code == 1 and f"round 3  {_m(3)}: recorded weights" in out, out
+
+
+def test_trained_tokens_without_a_delta_are_reported_lost(s3, capsys):
+    """The learner's own step counter says it trained one phase more than its deltas account for."""
+    bucket, prefix = "islands-north", layout.learner_state_prefix(RUN, "north-0")
+    key = max(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"])
+    data = read(s3, key, bucket)
+    state = decode_state(data)
+    state["trainer.step"] = state["trainer.step"] + torch.tensor(5)
+    with tampered(s3, {(bucket, key): encode_state(state, read_header(data)[1])}):
+        code, out = audit(capsys, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["ledger"]["north-0"]["lost"] == 5 * 16 * 128
+    assert [p["object"] for p in report["problems"]] == [prefix]
+
+
+def test_the_summary_fits_one_screen(s3, capsys):
+    """Runs last: a clean verdict here also shows every tampering above was undone."""
+    code, out = audit(capsys)
+    assert code == 0, out
+    assert out.startswith(f"islands audit {RUN}: OK")
+    assert len(out.splitlines()) < 25
