@@ -3,18 +3,27 @@
 A learner never waits on the synchronizer for longer than `learner_wait_s`: if no newer round
 has been published by then it trains again from the round it has (its delta is then one round
 staler, and the merge weighs it accordingly).
+
+A learner follows the driver that launched it (`storage.lease`): it ends when the run ends, when
+that driver has been silent for the lease, or when a resumed driver took over — never two
+processes for one learner. It records `host:pid` on its flow run so tools can find its process.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
 from flows.config import RunConfig
-from storage.rounds import latest_round, read_config, stop_requested
+from storage import lease
+from storage.rounds import latest_round, read_config
 from storage.store import Stores
+from tasks.crash import LEARNER_POINTS, CrashSpecError, parse
 from tasks.train_phase import LearnerSession, train_phase
 
 POLL_S = 0.5
@@ -29,7 +38,7 @@ def next_base(session: LearnerSession) -> int | None:
     cfg, store, run = session.config, session.global_store, session.run
     deadline = time.monotonic() + cfg.learner_wait_s
     while True:
-        if stop_requested(store, run):
+        if session.must_stop():
             return None
         newest = latest_round(store, run)
         if newest is None:
@@ -41,18 +50,39 @@ def next_base(session: LearnerSession) -> int | None:
         time.sleep(POLL_S)
 
 
+def record_process() -> None:
+    """Put this process's `host:pid` on the flow run (Prefect's infrastructure_pid field)."""
+    run_id = flow_run.id
+    if run_id is None:
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(run_id, infrastructure_pid=f"{socket.gethostname()}:{os.getpid()}")
+
+
 @flow(name="learner", flow_run_name=_name, log_prints=True)
-def learner(run_id: str, learner: str, store: str) -> dict:
-    """Train `learner` of run `run_id` against the buckets of the `store` template."""
+def learner(run_id: str, learner: str, store: str, driver: int | None = None, crash: str | None = None) -> dict:
+    """Train `learner` of run `run_id` against the buckets of the `store` template.
+
+    `driver`: the epoch of the driver that launched it (default: the newest); `crash`: a learner
+    crash point to die at, for fault rehearsals (tasks.crash).
+    """
     log = get_run_logger()
+    if crash is not None and parse(crash)[0] not in LEARNER_POINTS:
+        raise CrashSpecError(f"crash={crash!r} is not a learner crash point; use one of {', '.join(sorted(LEARNER_POINTS))}")
+    record_process()
     global_only = Stores(store, [])
     config = RunConfig.model_validate(read_config(global_only.global_, run_id))
     session = LearnerSession.open(config, run_id, learner, Stores(store, config.regions))
-    log.info("%s learner %s (%s) starts at phase %d", run_id, learner, session.region, session.next_phase)
+    epoch = driver if driver is not None else max(lease.epochs(session.global_store, run_id), default=0)
+    session.watch = lease.Watch(session.global_store, run_id, epoch)
+    session.crash = crash
+    log.info("%s learner %s (%s) starts at phase %d under driver epoch %d", run_id, learner, session.region,
+             session.next_phase, epoch)
     phases = tokens = 0
     while (base := next_base(session)) is not None:
         out = train_phase(session, session.next_phase, base)
         phases += out["steps"] > 0
         tokens += out.get("tokens", 0)
-    log.info("%s learner %s (%s) done: %d phases, %d tokens", run_id, learner, session.region, phases, tokens)
-    return {"learner": learner, "phases": phases, "tokens": tokens}
+    log.info("%s learner %s (%s) done: %d phases, %d tokens%s", run_id, learner, session.region, phases, tokens,
+             f"; stopped: {session.halt}" if session.halt else "")
+    return {"learner": learner, "phases": phases, "tokens": tokens, "halt": session.halt}

@@ -18,6 +18,7 @@ from storage.manifest import Manifest
 from storage.rounds import latest_round, read_config, read_manifest
 from storage.store import Stores
 from tasks.collect import collect
+from tasks.crash import crash_point
 from tasks.merge_step import merge
 from tasks.publish import publish
 from tasks.round_state import RoundState
@@ -61,6 +62,7 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
         raise RuntimeError(f"{run_id}: round {round} cannot be published before round {state.round}")
     t1 = time.perf_counter()
     collected = collect(state)
+    crash_point("collect.done", round)
     t2 = time.perf_counter()
     merged = merge(state, collected)
     t3 = time.perf_counter()
@@ -73,3 +75,10 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
 
 def round_s(seconds: float) -> float:
     return round(seconds, 3)
+
+
+if __name__ == "__main__":
+    # One round as its own process: `python -m flows.outer_round RUN ROUND STORE` (fault rehearsals).
+    import sys
+
+    outer_round(run_id=sys.argv[1], round=int(sys.argv[2]), store=sys.argv[3])

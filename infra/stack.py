@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from infra.prefect_server import PrefectServer, api_healthy, ui_url_for
@@ -45,6 +46,10 @@ def stack_env(data_dir: Path, s3_url: str, api_url: str) -> dict[str, str]:
         "PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED": "false",
         # boto3, aiobotocore and s3fs all read these.
         "AWS_ENDPOINT_URL": s3_url,
+        # Retry through a stalled or flaky endpoint instead of failing the run: standard mode
+        # backs off exponentially (up to 20 s) and also retries throttling and timeouts.
+        "AWS_RETRY_MODE": "standard",
+        "AWS_MAX_ATTEMPTS": "10",
         **CREDENTIALS,
     }
 
@@ -88,7 +93,11 @@ class LocalStack:
     Stopping saves every bucket to `<data_dir>/s3` first; starting restores it.
     """
 
-    def __init__(self, data_dir: Path, buckets: list[str], serve_learners: bool = True):
+    def __init__(self, data_dir: Path, buckets: list[str], serve_learners: bool = True,
+                 s3_front: Callable[[str], str] | None = None):
+        """`s3_front` maps the S3 server's URL to the one every client is given (a fault proxy)."""
+        self.s3_front = s3_front
+        self._client_s3_url: str | None = None
         self.data_dir = Path(data_dir).absolute()
         self.buckets = list(buckets)
         self.serve_learners = serve_learners
@@ -114,7 +123,7 @@ class LocalStack:
 
     def env(self) -> dict[str, str]:
         """Variables for the caller and every child; see `stack_env`."""
-        return stack_env(self.data_dir, self.s3_url, self.api_url)
+        return stack_env(self.data_dir, self._client_s3_url or self.s3_url, self.api_url)
 
     def _child_env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, **extra}
@@ -139,10 +148,12 @@ class LocalStack:
             restore(self.s3_url, self.data_dir / "s3")
             self._restored = True
             create_buckets(self.s3_url, self.buckets)
+            if self.s3_front is not None:
+                self._client_s3_url = self.s3_front(self.s3_url)
             self.prefect.wait()
             if self.serve_learners:
                 self._runner = spawn(
-                    [sys.executable, "-m", "flows.serve_learners"],
+                    [sys.executable, "-m", "flows.serve"],
                     self._child_env(**self.env()),
                     self.logs / "learner-runner.log",
                 )

@@ -7,6 +7,8 @@ Global bucket (written by the synchronizer and the driver)::
     runs/<run>/rounds/<r:06d>/outer-<sha16>.safetensors   # Nesterov momentum after round r
     runs/<run>/rounds/<r:06d>/manifest.json               # commit point of round r
     runs/<run>/stop.json                                  # the driver asks learners to stop
+    runs/<run>/drivers/<epoch:06d>.json                   # a driver's claim (each run or resume)
+    runs/<run>/drivers/<epoch:06d>/beat-<seq:08d>         # its heartbeat (the newest two kept)
 
 Regional bucket (written by that region's learners)::
 
@@ -34,6 +36,18 @@ def config_key(run: str) -> str:
 
 def stop_key(run: str) -> str:
     return f"runs/{run}/stop.json"
+
+
+def drivers_prefix(run: str) -> str:
+    return f"runs/{run}/drivers/"
+
+
+def driver_key(run: str, epoch: int) -> str:
+    return drivers_prefix(run) + f"{epoch:06d}.json"
+
+
+def beat_key(run: str, epoch: int, seq: int) -> str:
+    return drivers_prefix(run) + f"{epoch:06d}/beat-{seq:08d}"
 
 
 def round_prefix(run: str, round_: int) -> str:
@@ -75,6 +89,7 @@ def learner_state_key(run: str, learner: str, phase: int) -> str:
 _ROUND_MANIFEST = re.compile(r"runs/[^/]+/rounds/(\d{6})/manifest\.json$")
 _DELTA = re.compile(r"runs/[^/]+/deltas/([^/]+)/(\d{6})\.safetensors$")
 _STATE = re.compile(r"runs/[^/]+/learners/[^/]+/state-(\d{6})\.safetensors$")
+_DRIVER = re.compile(r"runs/[^/]+/drivers/(\d{6})(?:\.json|/beat-(\d{8}))$")
 
 
 def parse_manifest_key(key: str) -> int | None:
@@ -93,6 +108,12 @@ def parse_state_key(key: str) -> int | None:
     """Phase of a learner-state key, None for any other key."""
     m = _STATE.search(key)
     return int(m.group(1)) if m else None
+
+
+def parse_driver_key(key: str) -> tuple[int, int | None] | None:
+    """(epoch, beat seq) of a driver key — seq None for the claim itself — None for any other key."""
+    m = _DRIVER.search(key)
+    return (int(m.group(1)), int(m.group(2)) if m.group(2) else None) if m else None
 
 
 def learner_name(region: str, index: int) -> str:

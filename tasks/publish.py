@@ -21,6 +21,7 @@ from storage.manifest import Manifest, Quorum
 from storage.rounds import put_tensors, read_manifest
 from storage.store import Stores, sha256_hex
 from tasks.collect import Collected
+from tasks.crash import crash_point
 from tasks.data import evaluate
 from tasks.merge_step import Merged
 from tasks.model import build_model
@@ -82,7 +83,9 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
     run, r, store = state.run, state.round, state.stores.global_
     meta = {"run": run, "round": str(r)}
     model_ref = put_tensors(store, lambda sha: layout.model_key(run, r, sha), merged.model, meta)
+    crash_point("publish.after_model", r)
     outer_ref = put_tensors(store, lambda sha: layout.outer_key(run, r, sha), merged.momentum, meta)
+    crash_point("publish.after_outer", r)
     parent, parent_sha = state.parent
     manifest = Manifest(
         run=run, round=r, parent_round=parent.round, parent_sha256=parent_sha, created_at=_now(),
@@ -97,6 +100,7 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
         timings={**timings, "publish_s": round(time.perf_counter() - t0, 3)},
     )
     published = commit(state.stores, manifest)
+    crash_point("publish.after_manifest", r)
     if published.outcome != "committed":
         log.warning("%s round %d: another synchronizer committed first (%s)", run, r, published.outcome)
     log.info("%s round %d published: eval loss %.4f, manifest %s", run, r, published.manifest.eval_loss, published.sha256[:12])
