@@ -1,10 +1,23 @@
-"""What the Prefect UI shows: a table per round, a progress bar per run, a report at the end."""
+"""What the Prefect UI shows: a table and a manifest link per round, a progress bar per run, and a
+report with the loss curve, the quorum decisions, the bytes sent and where everything is."""
 
 from __future__ import annotations
 
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+import os
+from urllib.parse import quote, urlparse
 
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from flows.plot import data_uri, line_chart
+from storage import layout
 from storage.manifest import Manifest
+from storage.store import Stores
 
 
 def round_table(manifest: Manifest) -> list[dict]:
@@ -26,16 +39,32 @@ def round_table(manifest: Manifest) -> list[dict]:
     return rows
 
 
+def browser_url(url: str) -> str:
+    """A link a browser can open for an object URL: the embedded endpoint serves objects over plain
+    HTTP; real S3 objects open in the AWS console; local folders stay file:// URLs."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3":
+        return url
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        return f"{endpoint.rstrip('/')}/{parsed.netloc}{parsed.path}"
+    return f"https://s3.console.aws.amazon.com/s3/object/{parsed.netloc}?prefix={quote(parsed.path.lstrip('/'))}"
+
+
 def publish_round_artifacts(manifest: Manifest, manifest_url: str) -> None:
     q = manifest.quorum
+    key = f"{manifest.run}-round-{manifest.round:03d}"
+    link = browser_url(manifest_url)
     create_table_artifact(
         round_table(manifest),
-        key=f"{manifest.run}-round-{manifest.round:03d}",
+        key=key,
         description=(
             f"{manifest.run} round {manifest.round}: closed by {q.closed_by} with {q.received}/{q.max_quorum} learners "
-            f"after {q.waited_s:.1f} s; eval loss {manifest.eval_loss:.4f}. Manifest: {manifest_url}"
+            f"(Q_min {q.min_quorum}) after {q.waited_s:.1f} s; eval loss {manifest.eval_loss:.4f}; "
+            f"{len(manifest.excluded)} excluded. Manifest: [{manifest_url}]({link})"
         ),
     )
+    create_link_artifact(link, link_text=manifest_url, key=f"{key}-manifest", description=f"{manifest.run} round {manifest.round}: manifest")
 
 
 class RunProgress:
@@ -49,17 +78,64 @@ class RunProgress:
         update_progress_artifact(self.id, 100.0 * done / self.rounds, description=f"{self.run}: {done}/{self.rounds} rounds")
 
 
-def publish_report(run: str, summary: dict, rows: list[dict], where: str) -> None:
+def loss_curves(manifests: list[Manifest]) -> dict[str, list[tuple[float, float]]]:
+    """Global eval loss per round and each learner's training loss per merged delta, both against
+    the tokens merged into the global model so far."""
+    curves: dict[str, list[tuple[float, float]]] = {"global eval loss": []}
+    merged = 0
+    for m in manifests:
+        for c in sorted(m.contributions, key=lambda c: (c.learner, c.phase)):
+            curves.setdefault(f"{c.learner} train loss", []).append((merged + c.tokens, c.loss))
+        merged += sum(c.tokens for c in m.contributions)
+        curves["global eval loss"].append((merged, m.eval_loss))
+    return curves
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def report_markdown(summary: dict, rows: list[dict], manifests: list[Manifest], stores: Stores) -> str:
+    run = summary["run_id"]
+    chart = line_chart(loss_curves(manifests), "tokens merged into the global model", "loss (nats/byte)")
     lines = [
         f"# {run}",
         "",
-        f"Eval loss: {summary['eval_loss_round0']:.4f} at round 0 → {summary['eval_loss_final']:.4f} at round "
-        f"{summary['rounds_published']}; {summary['wall_s']:.0f} s.",
+        f"Eval loss {summary['eval_loss_round0']:.4f} at round 0 → {summary['eval_loss_final']:.4f} at round "
+        f"{summary['rounds_published']}, in {summary['wall_s']:.0f} s.",
         "",
-        f"Checkpoints and manifests: `{where}`",
+        f"![loss curve of {run}]({data_uri(chart)})",
         "",
-        "| round | closed by | learners | waited s | eval loss |",
-        "|---|---|---|---|---|",
+        "## Quorum decisions",
+        "",
+        "| round | closed by | learners in | waited s | contributors (learner@staleness) | excluded | eval loss |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['round']} | {r['closed_by']} | {r['learners']} | {r['waited_s']:.1f} | {r['eval_loss']:.4f} |" for r in rows]
-    create_markdown_artifact("\n".join(lines), key=f"{run}-report", description=f"{run}: run report")
+    for r, m in zip(rows, manifests[1:]):
+        q = m.quorum
+        excluded = "; ".join(r["excluded"]) or "—"
+        lines.append(
+            f"| {r['round']} | {r['closed_by']} | {q.received}/{q.max_quorum} (Q_min {q.min_quorum}) | {r['waited_s']:.1f} "
+            f"| {r['learners']} | {excluded} | {r['eval_loss']:.4f} |"
+        )
+    lines += ["", "## Bytes sent", "", "| who | wrote | read |", "|---|---|---|"]
+    lines += [f"| {who} | {_mb(b['written'])} | {_mb(b['read'])} |" for who, b in summary["bytes"].items()]
+    g = stores.global_.url
+    lines += [
+        "", "## Where everything is", "",
+        f"- config: `{g}/{layout.config_key(run)}`",
+        f"- checkpoints, outer state and manifests: `{summary['checkpoints']}`",
+    ]
+    lines += [
+        f"- {region}: deltas and learner states under `{s.url}/{layout.run_prefix(run)}`"
+        for region, s in stores.regions.items()
+    ]
+    lines += ["", f"Check it: `islands status {run}`, `islands audit {run} --replay`."]
+    return "\n".join(lines)
+
+
+def publish_report(summary: dict, rows: list[dict], manifests: list[Manifest], stores: Stores) -> None:
+    run = summary["run_id"]
+    create_markdown_artifact(
+        report_markdown(summary, rows, manifests, stores), key=f"{run}-report", description=f"{run}: run report"
+    )

@@ -2,6 +2,11 @@
 
 The AdamW state, the step count and the data position live across phases and are never reset
 (DiLoCo keeps the inner optimizer local); state_dict() lets them survive a restart bit for bit.
+
+Inside a region with several GPUs the trainer runs as one torch.distributed job (`ddp=True`, one
+process per GPU under torchrun): every rank draws the same batch and trains on its own slice of it,
+DDP averages the gradients, so all ranks hold the same weights and optimizer state as one process
+training on the whole batch would.
 """
 
 import math
@@ -10,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from tasks.data import BatchSampler
 from tasks.model import GPT, autocast_context
@@ -45,6 +52,16 @@ class InnerConfig:
                 raise ValueError(f"InnerConfig.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
 
 
+def _ddp_rank(batch_size: int) -> tuple[int, int]:
+    """(rank, world size) of the initialized process group; each rank takes an equal batch slice."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("InnerTrainer(ddp=True) needs torch.distributed initialized first: launch with torchrun")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if batch_size % world:
+        raise ValueError(f"batch_size {batch_size} does not split evenly over {world} ranks; use a multiple of {world}")
+    return rank, world
+
+
 def lr_at(step: int, cfg: InnerConfig) -> float:
     """Linear warmup to lr over warmup_steps, cosine down to min_lr_ratio·lr at total_steps, then flat."""
     min_lr = cfg.min_lr_ratio * cfg.lr
@@ -76,8 +93,15 @@ class InnerTrainer:
         *,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        ddp: bool = False,
     ):
         self.model = model.to(device)
+        self.rank, self.world_size = _ddp_rank(sampler.batch_size) if ddp else (0, 1)
+        # The module that trains: DDP all-reduces its gradients; self.model stays the plain GPT.
+        self.net = (
+            DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+            if ddp else self.model
+        )
         self.sampler = sampler
         self.cfg = cfg
         self.device = device
@@ -152,14 +176,20 @@ class InnerTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = self.sampler.next_batch()
+        if self.world_size > 1:
+            x, y = x.chunk(self.world_size)[self.rank], y.chunk(self.world_size)[self.rank]
         with autocast_context(self.device):
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+            _, loss = self.net(x.to(self.device), y.to(self.device))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.step += 1
+        if self.world_size > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)  # the loss of the whole batch: the mean of the ranks' equal slices
+            loss /= self.world_size
         return loss.item()  # also waits for the device, so the step's compute time is real
 
     def state_dict(self) -> dict[str, torch.Tensor]:
