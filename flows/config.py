@@ -78,7 +78,9 @@ class RunConfig(BaseModel):
     speed: dict[str, float] = Field(
         DEMO_SPEED, description="Per-region compute speed (1 = full); a slower region really takes longer."
     )
-    codec: Literal["fp32", "bf16"] = Field("fp32", description="Wire format of deltas.")
+    codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4 with one scale per 64 values."
+    )
     store: str | None = Field(
         None, description="Bucket URL template with {bucket}, e.g. s3://islands-{bucket}; empty = the embedded S3 endpoint."
     )

@@ -1,5 +1,9 @@
 """Tensors on the wire: safetensors with string metadata, never pickle.
 
+Codecs: fp32, bf16, and int8/int4 with per-block scales (tasks.compress defines the wire form).
+Whatever the codec, `decode` returns float32 tensors under the original names, so validation
+and the merge never see the codec.
+
 Untrusted bytes (a delta from a learner) are checked before safetensors parses them: the
 8-byte header length must fit inside the object and under a cap, the header must be JSON naming
 only known dtypes, and every tensor's byte range must lie inside the object.
@@ -14,9 +18,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-CODECS = ("fp32", "bf16")
+from tasks.compress import CODECS, from_wire, to_wire
+
 MAX_HEADER_BYTES = 16 * 2**20
-_WIRE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -25,17 +29,17 @@ class CodecError(ValueError):
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: str = "fp32") -> bytes:
-    """Serialize float tensors with the codec's wire dtype; other dtypes travel unchanged."""
+    """Serialize float tensors in the codec's wire form; other dtypes travel unchanged."""
+    return encode_wire(to_wire(tensors, codec), metadata, codec)
+
+
+def encode_wire(wire: dict[str, torch.Tensor], metadata: dict[str, str], codec: str) -> bytes:
+    """Serialize tensors already in `codec`'s wire form (error feedback makes them itself)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
-    wire = _WIRE_DTYPE[codec]
-    out = {}
-    for name, t in tensors.items():
-        t = t.detach().to("cpu")
-        out[name] = (t.to(wire) if t.is_floating_point() else t).contiguous()
     meta = {k: str(v) for k, v in metadata.items()}
     meta["codec"] = codec
-    return canonical(st_save(out, metadata=meta))
+    return canonical(st_save(wire, metadata=meta))
 
 
 def canonical(data: bytes) -> bytes:
@@ -101,13 +105,16 @@ def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict
 
 
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse checked bytes; floating tensors come back as float32."""
+    """Parse checked bytes; floating tensors come back as float32 under their own names."""
     _, metadata = read_header(data)
     try:
         tensors = st_load(data)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise CodecError(f"safetensors refused the bytes: {exc}") from exc
-    return {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}, metadata
+    try:
+        return from_wire(tensors, metadata.get("codec", "fp32")), metadata
+    except ValueError as exc:
+        raise CodecError(str(exc)) from exc
 
 
 def encode_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

@@ -16,10 +16,13 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from storage import layout
-from storage.codec import decode_state, encode, encode_state
+from storage.codec import decode_state, encode_state, encode_wire
 from storage.corpus import read_corpus
+from storage.lease import Watch
 from storage.rounds import get_tensors, read_manifest, stop_requested
 from storage.store import ObjectStore, Stores
+from tasks.crash import crash_point
+from tasks.compress import compress_with_feedback, residual_state, split_residual
 from tasks.data import BatchSampler, shard, split_held_out
 from tasks.inner import InnerConfig, InnerTrainer
 from tasks.model import build_model
@@ -46,6 +49,10 @@ class LearnerSession:
     next_phase: int = 0
     last_base: int | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    watch: Watch | None = None  # the driver's lease; None: follow no driver
+    crash: str | None = None  # crash point armed in this learner (tasks.crash)
+    halt: str | None = None  # why the learner stops before the run ends
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
 
     @property
     def global_store(self) -> ObjectStore:
@@ -85,7 +92,8 @@ class LearnerSession:
         if states:
             newest = max(states)
             data = store.get(states[newest])
-            self.trainer.load_state_dict(decode_state(data))
+            trainer_state, self.residual = split_residual(decode_state(data))
+            self.trainer.load_state_dict(trainer_state)
         self.next_phase = max([*states, *deltas], default=-1) + 1
 
     def collect_old_states(self, newest: int) -> None:
@@ -100,6 +108,19 @@ class LearnerSession:
         manifest, _ = read_manifest(self.global_store, self.run, round_)
         return get_tensors(self.global_store, manifest.model)
 
+    def must_stop(self) -> bool:
+        """The run asked learners to stop, or this learner's driver is gone or replaced."""
+        if self.halt is None and self.watch is not None:
+            self.halt = self.watch.verdict()
+        return self.halt is not None or stop_requested(self.global_store, self.run)
+
+    def superseded(self) -> bool:
+        """Asked right before writing: has a newer driver launched its own learner in this one's place?"""
+        if self.watch is None:
+            return False
+        self.halt = self.watch.verdict() or self.halt
+        return self.watch.superseded
+
     def stop_check(self):
         """A cheap should-stop callable: asks storage at most every STOP_CHECK_S seconds."""
         last = [time.monotonic()]
@@ -108,7 +129,7 @@ class LearnerSession:
             if time.monotonic() - last[0] < STOP_CHECK_S:
                 return False
             last[0] = time.monotonic()
-            return stop_requested(self.global_store, self.run)
+            return self.must_stop()
 
         return should_stop
 
@@ -130,6 +151,10 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
     if result.steps == 0:
         log.info("%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase)
         return {"phase": phase, "steps": 0}
+    if session.superseded():
+        # A newer driver's learner owns this learner's phases now; it re-does this data.
+        log.warning("%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt)
+        return {"phase": phase, "steps": 0}
     store = session.regional_store
     io_read, io_written = session.io_totals()
     meta = {
@@ -138,12 +163,20 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
         "seconds": f"{result.seconds:.3f}", "finished_at": f"{time.time():.3f}",
         "io_read": io_read, "io_written": io_written,
     }
-    delta = encode(result.delta, meta, cfg.codec)
+    # Error feedback: what the codec drops now rides along with the next delta.
+    wire, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)
+    delta = encode_wire(wire, meta, cfg.codec)
+    crash_point("phase.before_delta", phase, session.crash)
     store.put_or_verify(layout.delta_key(session.run, session.learner, phase), delta)
+    crash_point("phase.after_delta", phase, session.crash)
     # The delta first: a crash before the state is saved re-trains from the older state, it never
     # loses a finished delta.
-    state = encode_state(session.trainer.state_dict(), {"phase": str(phase), "base_round": str(base_round)})
+    state = encode_state(
+        {**session.trainer.state_dict(), **residual_state(residual)}, {"phase": str(phase), "base_round": str(base_round)}
+    )
     store.put_or_verify(layout.learner_state_key(session.run, session.learner, phase), state)
+    crash_point("phase.after_state", phase, session.crash)
+    session.residual = residual
     session.collect_old_states(phase)
     session.next_phase = phase + 1
     log.info(

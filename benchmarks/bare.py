@@ -1,0 +1,43 @@
+"""One learner's inner loop with nothing around it: no Prefect, no S3, same model, data, threads
+and speed cap as a pipeline learner. Prints {"tokens": …, "seconds": …} as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.heldout import BATCH, PRESET, train_bytes
+from benchmarks.inprocess import params_of
+from tasks.data import BatchSampler, shard
+from tasks.inner import InnerConfig, InnerTrainer
+from tasks.model import build_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--inner-steps", type=int, required=True)
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model = build_model(PRESET, args.seed)
+    data = shard(train_bytes(), args.index, args.learners, block_size=model.config.block_size)
+    sampler = BatchSampler(data, BATCH, model.config.block_size, seed=args.seed * 1000 + args.index)
+    trainer = InnerTrainer(model, sampler, InnerConfig())
+    t0, tokens, theta = time.perf_counter(), 0, params_of(model)
+    while tokens < args.steps * sampler.tokens_per_batch:
+        result = trainer.run_phase(theta, args.inner_steps, slowdown=1 / args.speed)
+        theta = {k: theta[k] - result.delta[k] for k in theta}
+        tokens += result.tokens
+    print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t0}))
+
+
+if __name__ == "__main__":
+    main()

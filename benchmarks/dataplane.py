@@ -1,0 +1,162 @@
+"""The data plane at size: the synchronizer's critical path on a ~100M-parameter model's tensors
+(random values with a 100M GPT's shapes; nothing is trained) against moto's S3 server.
+
+The path is the synchronizer's own code: tasks.collect.inspect reads, hashes, decodes and
+validates each of K deltas, tasks.merge_step.apply_merge merges them and takes the outer step,
+storage.rounds.put_tensors writes the model and the outer state as the publish task does. It
+runs in a child process per K, so its peak resident memory (VmHWM) is the synchronizer's alone;
+the same child then moves the same bytes with plain boto3 calls for the throughput baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.report import Result, at_least, at_most, standalone
+from flows.config import RunConfig
+from storage import layout
+from storage.codec import encode
+from storage.manifest import ObjectRef
+from storage.rounds import get_tensors, put_tensors
+from storage.store import Stores
+from tasks.model import GPT, GPTConfig
+
+STORE = "s3://islands-{bucket}"
+REGIONS = ["east", "west"]
+FULL = GPTConfig(vocab_size=256, block_size=1024, n_layer=14, n_head=12, n_embd=768)
+QUICK = GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=256)
+
+
+def shapes(cfg: GPTConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {k: v.shape for k, v in GPT(cfg).state_dict().items()}
+
+
+def config(k: int) -> RunConfig:
+    return RunConfig(run_id=f"dataplane-k{k}", regions=REGIONS, learners_per_region=k // len(REGIONS), speed={})
+
+
+def write_inputs(cfg: GPTConfig, k: int, stores: Stores) -> dict:
+    """θ, momentum and K deltas in storage, as the synchronizer finds them at a round's start."""
+    conf, run = config(k), f"dataplane-k{k}"
+    g = torch.Generator().manual_seed(k)
+    rand = lambda scale: {n: torch.randn(s, generator=g) * scale for n, s in shapes(cfg).items()}  # noqa: E731
+    refs = {
+        "model": put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), rand(0.02), {}).model_dump(),
+        "outer": put_tensors(stores.global_, lambda sha: layout.outer_key(run, 0, sha), rand(1e-3), {}).model_dump(),
+        "deltas": [],
+    }
+    for learner, region, _ in conf.learners():
+        meta = {"run": run, "learner": learner, "region": region, "phase": 0, "base_round": 0, "inner_steps": 50,
+                "tokens": 102400, "loss": 3.0, "seconds": 1.0, "finished_at": time.time()}
+        data = encode(rand(1e-3), meta, "fp32")
+        key = layout.delta_key(run, learner, 0)
+        stores.region(region).put_if_absent(key, data)
+        refs["deltas"].append([region, key, len(data)])
+    return refs
+
+
+def vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def measure(k: int, refs: dict, s3_url: str) -> dict:
+    """In the child: the synchronizer's critical path, then the same bytes through boto3."""
+    from infra.s3_server import client
+    from tasks.collect import Arrival, inspect
+    from tasks.merge_step import apply_merge, merge_rule
+    from tasks.round_state import RoundState
+
+    torch.set_num_threads(2)
+    baseline = vm("VmRSS")
+    stores = Stores(STORE, REGIONS)
+    run = f"dataplane-k{k}"
+    t0 = time.perf_counter()
+    model = get_tensors(stores.global_, ObjectRef(**refs["model"]))
+    momentum = get_tensors(stores.global_, ObjectRef(**refs["outer"]))
+    state = RoundState(config(k), run, 1, stores, [], model, momentum)
+    t1 = time.perf_counter()
+    arrivals = [inspect(state, region, key, size) for region, key, size in refs["deltas"]]
+    bad = [a.reason for a in arrivals if not isinstance(a, Arrival)]
+    if bad:
+        raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
+    new_model, new_momentum, _, _ = apply_merge(state, arrivals, merge_rule(state))
+    written = [put_tensors(stores.global_, lambda sha: layout.model_key(run, 1, sha), new_model, {"run": run}),
+               put_tensors(stores.global_, lambda sha: layout.outer_key(run, 1, sha), new_momentum, {"run": run})]
+    t2 = time.perf_counter()
+    peak = vm("VmHWM")
+    bodies = [stores.global_.get(w.key) for w in written]
+    s3 = client(s3_url)
+    t3 = time.perf_counter()
+    for region, key, _ in refs["deltas"]:
+        s3.get_object(Bucket=f"islands-{region}", Key=key)["Body"].read()
+    for i, body in enumerate(bodies):
+        s3.put_object(Bucket="islands-global", Key=f"raw/{run}/{i}", Body=body)
+    t4 = time.perf_counter()
+    moved = sum(size for _, _, size in refs["deltas"]) + sum(w.bytes for w in written)
+    return {"k": k, "bytes_moved": moved, "load_s": t1 - t0, "critical_path_s": t2 - t1, "raw_boto3_s": t4 - t3,
+            "peak_rss_over_baseline": peak - baseline, "baseline_rss": baseline}
+
+
+def run(quick: bool) -> Result:
+    from infra.s3_server import CREDENTIALS, S3Server, create_buckets
+
+    cfg, ks = (QUICK, (2, 4)) if quick else (FULL, (2, 4, 8))
+    params = sum(s.numel() for s in shapes(cfg).values())
+    model_bytes = 4 * params
+    res = Result("dataplane", settings={"model": cfg.__dict__, "params": params, "K": ks, "codec": "fp32"})
+    with tempfile.TemporaryDirectory() as tmp:
+        server = S3Server(Path(tmp) / "s3.log")
+        os.environ.update(CREDENTIALS)
+        env = dict(os.environ)
+        url = server.start(env)
+        try:
+            create_buckets(url, ["islands-global", *(f"islands-{r}" for r in REGIONS)])
+            env["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"] = url
+            for k in ks:
+                refs = write_inputs(cfg, k, Stores(STORE, REGIONS))
+                out = subprocess.run([sys.executable, "-m", "benchmarks.dataplane", "--child", str(k), "--s3", url],
+                                     input=json.dumps(refs), env=env, capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise RuntimeError(f"dataplane child K={k} failed:\n{out.stderr[-3000:]}")
+                res.raw[f"k{k}"] = json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            server.stop()
+    k_big = res.raw[f"k{ks[-1]}"]
+    res.rows.append(at_least(f"dataplane: synchronizer / raw boto3 throughput, K={ks[-1]}",
+                             k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
+                             "each delta is hashed, parsed, checked for finite values and accumulated in float64 "
+                             "on the same cores that move the bytes; the writes hash and serialize twice"))
+    for k in ks:
+        m = res.raw[f"k{k}"]["peak_rss_over_baseline"] / model_bytes
+        res.rows.append(at_most(f"dataplane: synchronizer peak memory / model bytes, K={k}", m, 3.0,
+                                "collect holds every decoded delta (Arrival.tensors) until the merge: memory "
+                                "grows with K; streaming deltas to disk and merging tensor by tensor removes it"))
+    return res
+
+
+def child() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", type=int, required=True)
+    p.add_argument("--s3", required=True)
+    args = p.parse_args()
+    print(json.dumps(measure(args.child, json.loads(sys.stdin.read()), args.s3)))
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        child()
+    else:
+        standalone(run)

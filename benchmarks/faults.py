@@ -1,0 +1,85 @@
+"""Stragglers and failures: wall-clock until the global model reaches a fixed held-out loss.
+
+(a) the decoupled pipeline without faults; (b) the same with one learner at a third of the speed
+and another killed for the middle third of the rounds (`islands run --chaos`); (c) synchronous
+DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min = all), learners
+waiting for each round, and a round timeout so a dead learner cannot stall it for ever.
+
+Each learner is capped to half a core (1 thread, compute then sleep as long: speed 0.5), so four
+learners fit on two cores and lost compute shows as lost time instead of being absorbed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+from benchmarks import pipeline
+from benchmarks.report import Result, at_least, at_most, standalone, within
+
+CAP = 0.5
+SLOW, KILLED = "eu-west", "ap-south"
+
+
+def chaos_supported() -> bool:
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--help"], capture_output=True, text=True).stdout
+    return "--chaos" in out
+
+
+def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, float]:
+    h, rounds, target = (5, 6, 4.5) if quick else (10, 60, 2.6)
+    capped = tuple((r, CAP) for r in pipeline.REGIONS)
+    faulty = tuple((r, CAP / 3 if r == SLOW else CAP) for r in pipeline.REGIONS)
+    chaos = (f"kill:{KILLED}@round{rounds // 3}", f"restart:{KILLED}@round{2 * rounds // 3}")
+    a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=capped, warmup=2 if quick else 50)
+    b = replace(a, name="fb", speed=faulty, chaos=chaos)
+    c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, round_timeout_s=20.0 if quick else 60.0)
+    return a, b, c, target
+
+
+def goodput(run: pipeline.Run) -> float:
+    """Tokens merged / tokens the rounds decided on (merged, dropped or quarantined); deltas still
+    pending after the last round are neither, and a killed learner's unfinished phase is not seen."""
+    decided = {c.key for m in run.chain for c in m.contributions} | {e.key for m in run.chain for e in m.excluded}
+    trained = sum(d.tokens for d in run.deltas if d.key in decided)
+    return run.applied_tokens(run.chain[-1].round) / trained if trained else float("nan")
+
+
+def compute_ratio(quick: bool) -> float:
+    """Learner-time of (a) over (b): (b) has one learner at 1/3 and one away for a third."""
+    n = len(pipeline.REGIONS)
+    return n / (n - 2 + 1 / 3 + 2 / 3)
+
+
+def run(quick: bool) -> Result:
+    a, b, c, target = specs(quick)
+    res = Result("faults", settings={"target_loss": target, "cap": CAP, "slow": SLOW, "killed": KILLED,
+                                     "a": a.config(), "b": {**b.config(), "chaos": b.chaos}, "c": {**c.config(), "chaos": c.chaos}})
+    ta = pipeline.run(a).seconds_to_loss(target)
+    res.raw["a_seconds"] = ta
+    if not chaos_supported():
+        why = "not run: `islands run --chaos` is not in this tree yet; (b) and (c) use it (kill/restart a region's learner)"
+        for name in ("faults: (b) decoupled with faults / (c) sync DiLoCo with faults", "faults: goodput in (b)",
+                     "faults: (b)/(a) wall-clock vs compute ratio"):
+            res.rows.append(at_least(name, None, 0, why))
+        return res
+    rb, rc = pipeline.run(b), pipeline.run(c)
+    tb, tc = rb.seconds_to_loss(target), rc.seconds_to_loss(target)
+    g = goodput(rb)
+    res.raw.update(b_seconds=tb, c_seconds=tc, b_goodput=g, compute_ratio=compute_ratio(quick),
+                   rounds={"a": pipeline.run(a).chain[-1].round, "b": rb.chain[-1].round, "c": rc.chain[-1].round})
+    never = "the target loss was not reached within the rounds run; raise the rounds or the target"
+    res.rows.append(at_most("faults: (b) decoupled with faults / (c) sync DiLoCo with faults (time to loss)",
+                            tb / tc if tb and tc else None, 0.5, never if not (tb and tc) else
+                            "synchronous DiLoCo is not slowed enough by the faults at this round timeout"))
+    res.rows.append(at_least("faults: goodput in (b) (tokens merged / trained)", g, 0.95,
+                             "stale deltas were dropped or not merged; see the manifests' excluded entries"))
+    res.rows.append(within("faults: (b)/(a) wall-clock, against the compute ratio", tb / ta if tb and ta else None,
+                           compute_ratio(quick), 0.15, never if not (tb and ta) else
+                           "rounds closing without the slow learner still wait for it in the grace window"))
+    return res
+
+
+if __name__ == "__main__":
+    standalone(run)

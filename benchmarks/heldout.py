@@ -1,0 +1,36 @@
+"""The one held-out evaluation every benchmark uses: the same corpus split, the same batches.
+
+They are the batches the synchronizer evaluates each round (tasks.round_state.held_out_batches
+with the run's eval_batches), so a manifest's eval loss and a loss computed here agree.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from storage.corpus import read_corpus
+from tasks.data import evaluate, split_held_out
+from tasks.model import PRESETS, build_model
+from tasks.round_state import held_out_batches
+
+CORPUS = "stdlib"
+PRESET = "tiny"
+BATCH = 16
+EVAL_BATCHES = 16
+
+
+@lru_cache(maxsize=1)
+def train_bytes() -> bytes:
+    return split_held_out(read_corpus(CORPUS))[0]
+
+
+def batches() -> list:
+    return held_out_batches(CORPUS, BATCH, PRESETS[PRESET].block_size, EVAL_BATCHES)
+
+
+def loss(params: dict[str, torch.Tensor]) -> float:
+    model = build_model(PRESET, 0)
+    model.load_state_dict(params)
+    return evaluate(model, batches())

@@ -1,0 +1,62 @@
+"""The baselines, trained in this process with the project's own pieces: data-parallel (one
+model at K× batch) and synchronous DiLoCo (K learners, wait for all, tasks.merge for the merge).
+
+Same model, data and seeds as the pipeline's learners (tasks.train_phase): learner i trains on
+shard i of the training split with sampler seed seed·1000 + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.heldout import BATCH, PRESET, train_bytes
+from tasks.data import BatchSampler, shard
+from tasks.inner import InnerConfig, InnerTrainer
+from tasks.merge import MergeRule, merge_round
+from tasks.model import build_model
+
+
+@dataclass(frozen=True)
+class Budget:
+    learners: int = 4
+    steps: int = 600  # per learner
+    warmup: int = 50
+
+    @property
+    def tokens(self) -> int:
+        return self.learners * self.steps * BATCH * build_model(PRESET, 0).config.block_size
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def data_parallel(budget: Budget, seed: int, snapshot_at: int | None = None) -> tuple[dict, dict | None]:
+    """One model, batch learners × 16, for `steps` steps; also θ after `snapshot_at` steps."""
+    model = build_model(PRESET, seed)
+    sampler = BatchSampler(train_bytes(), budget.learners * BATCH, model.config.block_size, seed=seed * 1000)
+    trainer = InnerTrainer(model, sampler, InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps))
+    first = snapshot_at or budget.steps
+    trainer.run_phase(params_of(model), first)
+    snapshot = params_of(trainer.model) if snapshot_at else None
+    if budget.steps > first:
+        trainer.run_phase(params_of(trainer.model), budget.steps - first)
+    return params_of(trainer.model), snapshot
+
+
+def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeRule, init: dict | None = None) -> dict:
+    """K learners, H inner steps each, all deltas merged every round (equal tokens, equal weights)."""
+    block = build_model(PRESET, seed).config.block_size
+    cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
+    trainers = []
+    for i in range(budget.learners):
+        data = shard(train_bytes(), i, budget.learners, block_size=block)
+        trainers.append(InnerTrainer(build_model(PRESET, seed), BatchSampler(data, BATCH, block, seed=seed * 1000 + i), cfg))
+    theta = init if init is not None else params_of(build_model(PRESET, seed))
+    momentum = None
+    for _ in range(budget.steps // h):
+        deltas = [t.run_phase(theta, h).delta for t in trainers]
+        theta, momentum = merge_round(theta, momentum, deltas, [1.0] * len(deltas), rule)
+    return theta

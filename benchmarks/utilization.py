@@ -1,0 +1,57 @@
+"""Learner utilization: tokens/s of the learners inside the pipeline against the same inner loop
+run bare (benchmarks.bare: no Prefect, no S3), with the same processes, threads and speed cap,
+in the same benchmark run. A learner's pipeline time runs from its first phase's start to its
+last delta written, so waiting, downloads and uploads all count against it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+from benchmarks import pipeline
+from benchmarks.faults import CAP, specs
+from benchmarks.report import Result, at_least, standalone
+
+
+def pipeline_rate(run: pipeline.Run) -> tuple[float, dict]:
+    by: dict[str, list[pipeline.Delta]] = defaultdict(list)
+    for d in run.deltas:
+        by[d.learner].append(d)
+    rates = {}
+    for learner, ds in by.items():
+        start = min(d.finished_at - d.seconds for d in ds)
+        end = max(d.finished_at for d in ds)
+        rates[learner] = sum(d.tokens for d in ds) / (end - start)
+    return sum(rates.values()), rates
+
+
+def bare_rate(learners: int, steps: int, h: int, speed: float) -> tuple[float, list[dict]]:
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "benchmarks.bare", "--index", str(i), "--learners", str(learners),
+                          "--steps", str(steps), "--inner-steps", str(h), "--speed", str(speed)],
+                         stdout=subprocess.PIPE, text=True)
+        for i in range(learners)
+    ]
+    outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    return sum(o["tokens"] / o["seconds"] for o in outs), outs
+
+
+def run(quick: bool) -> Result:
+    spec = specs(quick)[0]  # no faults, every learner capped alike
+    pipe = pipeline.run(spec)
+    ours, per_learner = pipeline_rate(pipe)
+    steps = max(1, sum(d.tokens for d in pipe.deltas) // len(per_learner) // (pipe.deltas[0].tokens // spec.inner_steps))
+    bare, outs = bare_rate(len(per_learner), steps, spec.inner_steps, CAP)
+    res = Result("utilization", settings={"spec": spec.config(), "threads": 1, "speed_cap": CAP, "bare_steps": steps},
+                 raw={"pipeline_tokens_per_s": ours, "per_learner": per_learner, "bare_tokens_per_s": bare, "bare": outs})
+    res.rows.append(at_least("utilization: learner tokens/s in the pipeline / bare", ours / bare, 0.95,
+                             "between phases a learner waits for a newer round (up to learner_wait_s), downloads "
+                             "the checkpoint and uploads its delta and state before training on"))
+    return res
+
+
+if __name__ == "__main__":
+    standalone(run)

@@ -1,0 +1,89 @@
+"""Bytes on the wire per trained token: the pipeline's S3 traffic against ring all-reduce.
+
+What crosses between regions, per learner: the deltas it uploads (object sizes in its regional
+bucket, which the synchronizer reads) and what it downloads from the global bucket (its own
+IOCounters, recorded in each delta's metadata: checkpoints and manifests). Learner state stays
+in the learner's own region and is reported apart. Ring all-reduce for the same tokens: each of
+K workers sends 2(K−1)/K × the fp32 gradient bytes per step and receives as many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from benchmarks import heldout, pipeline
+from benchmarks.quality import at_budget, budget, decoupled_spec, hs
+from benchmarks.report import Result, at_least, at_most, standalone
+from tasks.model import build_model
+from tasks.wan_plan import ring_bytes
+
+INT4_LOSS_BAR = 1.005
+
+
+def traffic(run: pipeline.Run) -> dict:
+    """Cross-region bytes of every learner, from each one's newest delta and the object sizes."""
+    newest: dict[str, pipeline.Delta] = {}
+    sent = tokens = 0
+    for d in run.deltas:
+        sent += d.bytes
+        tokens += d.tokens
+        if d.learner not in newest or d.finished_at > newest[d.learner].finished_at:
+            newest[d.learner] = d
+    # Counters in a delta cover what its learner did before writing it: add that last delta once.
+    received = sum(d.io_read for d in newest.values())
+    written = sum(d.io_written + d.bytes for d in newest.values())
+    model_bytes = run.chain[-1].model.bytes
+    phases = len(run.deltas)
+    return {
+        "tokens": tokens, "sent": sent, "received": received, "phases": phases,
+        "state_in_region": written - sent, "checkpoint_bytes": model_bytes,
+        "received_per_phase_in_checkpoints": received / phases / model_bytes,
+        "synchronizer": run.summary.get("bytes", {}).get("synchronizer"),
+    }
+
+
+def ring_per_token(learners: int) -> float:
+    model = build_model(heldout.PRESET, 0)
+    grad = 4 * model.num_params()
+    tokens_per_step = heldout.BATCH * model.config.block_size
+    return 2 * ring_bytes(grad, learners) / tokens_per_step
+
+
+def ratio(run: pipeline.Run, learners: int) -> tuple[float, float, dict]:
+    t = traffic(run)
+    ring = ring_per_token(learners)
+    ours = (t["sent"] + t["received"]) / t["tokens"]
+    return ring / ours, ring / (t["sent"] / t["tokens"]), {**t, "ring_per_token": ring, "ours_per_token": ours}
+
+
+def limit(upload_only: float) -> str:
+    return (f"each phase downloads the full fp32 checkpoint, which dominates: counting uploads alone the "
+            f"ratio would be {upload_only:.0f}×; the checkpoint broadcast is not compressed yet")
+
+
+def run(quick: bool) -> Result:
+    b = budget(quick)
+    h10, h50 = hs(quick)[0], hs(quick)[-1]
+    res = Result("wire", settings={"learners": b.learners, "model": heldout.PRESET, "ring": "2(K-1)/K x fp32 gradient, "
+                                   "sent and as many received, per worker per step"})
+    fp32 = decoupled_spec(quick, h10)
+    int4 = replace(fp32, name=fp32.name + "i4", codec="int4")
+    runs = [("fp32", fp32, 15), ("int4", int4, 100)]
+    if h50 != h10:  # bytes per token need no full budget: a third of the rounds (--quick has one H)
+        long = decoupled_spec(quick, h50)
+        runs.append(("int4", replace(long, name=f"w{h50}i4", codec="int4", rounds=max(2, long.rounds // 3)), 500))
+    for label, spec, bar in runs:
+        r, upload_only, facts = ratio(pipeline.run(spec), b.learners)
+        res.raw[f"{label}_h{spec.inner_steps}"] = {**facts, "run": pipeline.run(spec).run_id}
+        res.rows.append(at_least(f"wire: ring all-reduce / ours per token, H={spec.inner_steps} {label}", r, bar, limit(upload_only)))
+    loss32, f32 = at_budget(fp32, b.tokens)
+    loss4, f4 = at_budget(int4, b.tokens)
+    res.raw["loss_fp32_h%d" % h10], res.raw["loss_int4_h%d" % h10] = {"loss": loss32, **f32}, {"loss": loss4, **f4}
+    res.rows.insert(2, at_most(f"wire: held-out loss int4 / fp32, H={h10}", loss4 / loss32, INT4_LOSS_BAR,
+                               "int4 deltas without error feedback in the learner yet (tasks.compress has it; "
+                               "train_phase does not call it)"))
+    return res
+
+
+if __name__ == "__main__":
+    standalone(run)

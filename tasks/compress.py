@@ -1,0 +1,152 @@
+"""Deltas in fewer bits: block-wise int8/int4 quantization, and error feedback.
+
+Each tensor is cut into blocks of BLOCK values; a block keeps one float32 scale (its absolute
+maximum over the largest level) and one small integer per value, so one large value costs
+precision only in its own block. int4 packs two values per byte. Error feedback keeps what the
+quantizer dropped (the residual) and adds it to the next delta, so over many phases the sum of
+what was sent tracks the sum of the true deltas instead of drifting.
+
+The wire form is a flat dict of tensors that safetensors can store: `<name>.q` (the integers),
+`<name>.scale` and `<name>.shape`; storage.codec writes and reads it. Pure torch: no storage,
+no Prefect, so the learner, the synchronizer and the tests share one definition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+BLOCK = 64
+BITS = {"int8": 8, "int4": 4}
+FLOAT_WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CODECS = (*FLOAT_WIRE, *BITS)
+PARTS = (".q", ".scale", ".shape")
+RESIDUAL_PREFIX = "codec.residual."
+_MAX_DIMS = 8
+
+
+def levels(bits: int) -> int:
+    """Largest integer a value is rounded to: 127 for int8, 7 for int4 (symmetric, no −2^(b−1))."""
+    return 2 ** (bits - 1) - 1
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two values in [-8, 7] per byte, the even-indexed one in the low nibble."""
+    if q.numel() % 2:
+        raise ValueError(f"int4 packing needs an even number of values, got {q.numel()}")
+    nibbles = (q.reshape(-1).to(torch.int16) + 8).to(torch.uint8)
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(packed.numel() * 2, dtype=torch.int8)
+    out[0::2] = (packed & 0x0F).to(torch.int8) - 8
+    out[1::2] = (packed >> 4).to(torch.int8) - 8
+    return out
+
+
+def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integers, per-block scales) of a float tensor; int4 integers come packed in uint8."""
+    flat = t.detach().to("cpu", torch.float32).reshape(-1)
+    blocks = F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
+    scale = blocks.abs().amax(dim=1) / levels(bits)
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / divisor[:, None]).clamp_(-levels(bits), levels(bits)).to(torch.int8).reshape(-1)
+    return (pack_int4(q) if bits == 4 else q), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int, block: int = BLOCK) -> torch.Tensor:
+    """float32 tensor of `shape`; raises ValueError when the parts do not describe one."""
+    if len(shape) > _MAX_DIMS or any(d < 0 for d in shape):
+        raise ValueError(f"shape {shape} is not a tensor shape")
+    numel = math.prod(shape)
+    n_blocks = -(-numel // block)
+    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.numel() != n_blocks:
+        raise ValueError(f"scale must be {n_blocks} float32 values for shape {shape}, got {scale.dtype} {tuple(scale.shape)}")
+    if not torch.isfinite(scale).all() or (scale < 0).any():
+        raise ValueError("scale holds NaN, Inf or negative values")
+    want_dtype, want_numel = (torch.uint8, n_blocks * block // 2) if bits == 4 else (torch.int8, n_blocks * block)
+    if q.dtype != want_dtype or q.dim() != 1 or q.numel() != want_numel:
+        raise ValueError(f"integers must be {want_numel} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}")
+    ints = unpack_int4(q) if bits == 4 else q
+    values = ints.to(torch.float32).view(n_blocks, block) * scale[:, None]
+    return values.reshape(-1)[:numel].view(shape)
+
+
+def to_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    """The tensors a delta object stores for `codec`; non-float tensors travel unchanged."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu")
+        if not t.is_floating_point():
+            out[name] = t.contiguous()
+        elif codec in FLOAT_WIRE:
+            out[name] = t.to(FLOAT_WIRE[codec]).contiguous()
+        else:
+            if name.endswith(PARTS):
+                raise ValueError(f"tensor name {name!r} ends with a suffix the {codec} codec reserves ({', '.join(PARTS)})")
+            out[name + ".q"], out[name + ".scale"] = quantize(t, BITS[codec])
+            out[name + ".shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+    return out
+
+
+def from_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    """float32 tensors back from the wire form; raises ValueError naming the bad tensor."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r} in the metadata; this reader knows {', '.join(CODECS)}")
+    if codec in FLOAT_WIRE:
+        return {k: (v.float() if v.is_floating_point() else v) for k, v in wire.items()}
+    out: dict[str, torch.Tensor] = {}
+    bases = {k[: -len(".q")] for k in wire if k.endswith(".q")}
+    for name, t in wire.items():
+        base = next((name[: -len(p)] for p in PARTS if name.endswith(p)), None)
+        if base is None:
+            if t.is_floating_point():
+                raise ValueError(f"tensor {name!r}: a float tensor outside the {codec} wire form")
+            out[name] = t
+        elif base not in bases:
+            raise ValueError(f"tensor {name!r}: no {base}.q to go with it")
+    for base in sorted(bases):
+        missing = [base + p for p in PARTS if base + p not in wire]
+        if missing:
+            raise ValueError(f"tensor {base!r}: missing {', '.join(missing)}")
+        shape = wire[base + ".shape"]
+        if shape.dtype != torch.int64 or shape.dim() != 1:
+            raise ValueError(f"tensor {base!r}: .shape must be a 1-D int64 tensor")
+        try:
+            out[base] = dequantize(wire[base + ".q"], wire[base + ".scale"], shape.tolist(), BITS[codec])
+        except ValueError as exc:
+            raise ValueError(f"tensor {base!r}: {exc}") from exc
+    return out
+
+
+def compress_with_feedback(
+    delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(wire tensors of delta + residual, the new residual).
+
+    The new residual is (delta + old residual) − what the receiver will decode, so nothing the
+    quantizer drops is lost: it rides along with the next delta. A lossless codec keeps none.
+    """
+    target = {n: (t + residual[n] if n in residual else t).float() for n, t in delta.items()}
+    wire = to_wire(target, codec)
+    if codec == "fp32":
+        return wire, {}
+    decoded = from_wire(wire, codec)
+    return wire, {n: target[n] - decoded[n] for n in target}
+
+
+def residual_state(residual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The residual as entries of the learner's saved state."""
+    return {RESIDUAL_PREFIX + n: t.contiguous() for n, t in residual.items()}
+
+
+def split_residual(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the rest of a saved learner state, the residual it carried)."""
+    rest = {k: v for k, v in state.items() if not k.startswith(RESIDUAL_PREFIX)}
+    residual = {k[len(RESIDUAL_PREFIX):]: v for k, v in state.items() if k.startswith(RESIDUAL_PREFIX)}
+    return rest, residual

@@ -1,0 +1,35 @@
+"""The benchmark suite's fast part runs and prints its one table with a number in every row.
+
+Only the format is checked, never the figures: they depend on the machine.
+"""
+
+import re
+import subprocess
+import sys
+
+from benchmarks.report import Result, at_least, at_most, table, within
+
+
+def test_table_rows_say_yes_or_no_against_their_bar():
+    rows = [at_least("a", 16.0, 15), at_most("b", 1.05, 1.04, "why"), within("c", 1.2, 1.33, 0.15), at_least("d", None, 1, "not run")]
+    text = table([Result("x", rows=rows)])
+    lines = text.splitlines()
+    assert lines[0] == "| benchmark | our figure | the bar | holds |"
+    assert [line.rsplit("|", 2)[1].strip() for line in lines[2:]] == ["yes", "no", "yes", "no"]
+    assert "n/a" in lines[-1] and rows[1].limit == "why" and rows[0].limit == ""
+
+
+def test_quick_dataplane_prints_one_table_with_numbers():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    start = lines.index("| benchmark | our figure | the bar | holds |")
+    rows = [line for line in lines[start + 2:] if line.startswith("|")]
+    assert len(rows) == 3  # throughput, memory at K=2 and K=4
+    for row in rows:
+        _, name, ours, bar, holds, _ = (c.strip() for c in row.split("|"))
+        assert name.startswith("dataplane:")
+        assert re.fullmatch(r"-?\d+(\.\d+)?(e[-+]?\d+)?", ours), row
+        assert re.search(r"\d", bar) and holds in ("yes", "no")
+    assert "raw:" in proc.stdout and "settings:" in proc.stdout

@@ -1,0 +1,169 @@
+"""int8/int4 deltas: error bounds, exact packing, error feedback without drift, hostile parts refused."""
+
+import pytest
+import torch
+
+from storage.codec import CodecError, decode, encode, encode_wire
+from tasks.compress import (
+    BLOCK,
+    compress_with_feedback,
+    dequantize,
+    from_wire,
+    levels,
+    pack_int4,
+    quantize,
+    residual_state,
+    split_residual,
+    to_wire,
+    unpack_int4,
+)
+
+META = {"run": "run-abc", "learner": "us-east-0", "phase": "3"}
+
+
+def delta(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "wte.weight": torch.randn(256, 128, generator=g) * 1e-3,
+        "blocks.0.ln_1.bias": torch.randn(130, generator=g) * 1e-5,  # not a multiple of the block
+        "scalar": torch.tensor(0.25),
+        "zeros": torch.zeros(3, 5),
+        "step": torch.arange(4, dtype=torch.int64),
+    }
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_round_trip_error_is_within_half_a_level_of_each_blocks_scale(codec):
+    src = delta()
+    out, meta = decode(encode(src, META, codec))
+    assert meta["codec"] == codec and set(out) == set(src)
+    assert torch.equal(out["step"], src["step"])
+    bits = {"int8": 8, "int4": 4}[codec]
+    for name, t in src.items():
+        if not t.is_floating_point():
+            continue
+        assert out[name].dtype == torch.float32 and out[name].shape == t.shape
+        flat = torch.nn.functional.pad(t.reshape(-1), (0, -t.numel() % BLOCK)).view(-1, BLOCK)
+        bound = flat.abs().amax(dim=1) / levels(bits) / 2 * (1 + 1e-6)
+        err = torch.nn.functional.pad((out[name] - t).reshape(-1), (0, -t.numel() % BLOCK)).view(-1, BLOCK).abs()
+        assert (err <= bound[:, None]).all(), name
+    assert torch.equal(out["zeros"], src["zeros"])
+
+
+@pytest.mark.parametrize("codec,ratio", [("int8", 3.5), ("int4", 6.5)])
+def test_quantized_deltas_are_that_much_smaller_than_fp32(codec, ratio):
+    src = {"w": torch.randn(512, 512)}
+    assert len(encode(src, META, "fp32")) / len(encode(src, META, codec)) > ratio
+
+
+def test_int4_packing_is_exact_for_every_value_and_position():
+    values = torch.arange(-8, 8, dtype=torch.int8).repeat_interleave(16)
+    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(1))]
+    packed = pack_int4(values)
+    assert packed.dtype == torch.uint8 and packed.numel() == values.numel() // 2
+    assert torch.equal(unpack_int4(packed), values)
+    assert pack_int4(torch.tensor([-8, 7], dtype=torch.int8)).item() == 0xF0
+
+
+def test_quantize_uses_the_full_range_and_rounds_symmetrically():
+    t = torch.linspace(-1, 1, BLOCK)
+    q, scale = quantize(t, 8)
+    assert q.min().item() == -127 and q.max().item() == 127
+    assert torch.allclose(scale, torch.tensor([1 / 127]))
+
+
+@pytest.mark.parametrize("codec,bits", [("int8", 8), ("int4", 4)])
+def test_error_feedback_keeps_the_sum_of_sent_updates_on_the_sum_of_true_deltas(codec, bits):
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(64, 64, generator=g) * 1e-4  # a consistent direction, as in training
+    true_sum = torch.zeros(64, 64)
+    sent_fb = torch.zeros(64, 64)
+    sent_plain = torch.zeros(64, 64)
+    residual: dict = {}
+    worst_gap = largest = 0.0
+    for _ in range(300):
+        d = {"w": bias + torch.randn(64, 64, generator=g) * 1e-3}
+        true_sum += d["w"]
+        wire, residual = compress_with_feedback(d, residual, codec)
+        sent_fb += decode(encode_wire(wire, META, codec))[0]["w"]
+        sent_plain += decode(encode(d, META, codec))[0]["w"]
+        # The books balance at every step: what was sent plus what is held back is what was trained.
+        assert torch.allclose(sent_fb + residual["w"], true_sum, atol=1e-5)
+        worst_gap = max(worst_gap, (sent_fb - true_sum).abs().max().item())
+        largest = max(largest, d["w"].abs().max().item())
+    # Bounded drift: after 300 steps the gap is still within about one quantization level of one
+    # step's largest value, while without feedback the errors pile up.
+    assert worst_gap <= 1.5 * largest / levels(bits)
+    assert (sent_fb - true_sum).norm() < (sent_plain - true_sum).norm() / 3
+
+
+def test_fp32_needs_no_residual_and_the_residual_round_trips_through_the_learner_state():
+    d = delta()
+    wire, residual = compress_with_feedback(d, {}, "fp32")
+    assert residual == {} and torch.equal(from_wire(wire, "fp32")["wte.weight"], d["wte.weight"])
+    floats = {k: v for k, v in d.items() if v.is_floating_point()}
+    _, residual = compress_with_feedback(floats, {}, "int4")
+    state = {"opt.step": torch.tensor(3), **residual_state(residual)}
+    assert set(state) - {"opt.step"} == {f"codec.residual.{n}" for n in floats}
+    rest, back = split_residual(state)
+    assert set(rest) == {"opt.step"} and all(torch.equal(back[n], residual[n]) for n in floats)
+
+
+# -- hostile parts -------------------------------------------------------------------------------
+
+def hostile(codec: str, **changes) -> bytes:
+    wire = to_wire({"w": torch.randn(10, 13)}, codec)
+    for name, value in changes.items():
+        key = "w." + name
+        if value is None:
+            del wire[key]
+        else:
+            wire[key] = value
+    return encode_wire(wire, META, codec)
+
+
+n_blocks = -(-130 // BLOCK)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "changes,reason",
+    [
+        ({"scale": torch.full((n_blocks,), float("nan"))}, "NaN"),
+        ({"scale": torch.tensor([1.0, float("inf"), 1.0])}, "NaN, Inf"),
+        ({"scale": -torch.ones(n_blocks)}, "negative"),
+        ({"scale": torch.ones(n_blocks + 1)}, "scale must be"),
+        ({"scale": torch.ones(n_blocks, dtype=torch.float64)}, "scale must be"),
+        ({"scale": torch.ones(n_blocks, 1)}, "scale must be"),
+        ({"shape": torch.tensor([10, 20])}, "scale must be"),
+        ({"shape": torch.tensor([10, -13])}, "not a tensor shape"),
+        ({"shape": torch.tensor([10.0, 13.0])}, "1-D int64"),
+        ({"q": torch.zeros(3, dtype=torch.int8)}, "integers must be"),
+        ({"scale": None}, "missing w.scale"),
+        ({"shape": None}, "missing w.shape"),
+    ],
+)
+def test_hostile_parts_are_refused_with_a_codec_error(codec, changes, reason):
+    with pytest.raises(CodecError, match=reason):
+        decode(hostile(codec, **changes))
+
+
+def test_orphan_parts_and_stray_floats_are_refused():
+    wire = to_wire({"w": torch.randn(8)}, "int8")
+    with pytest.raises(CodecError, match="no v.q"):
+        decode(encode_wire({**wire, "v.scale": torch.ones(1)}, META, "int8"))
+    with pytest.raises(CodecError, match="float tensor outside"):
+        decode(encode_wire({**wire, "raw": torch.ones(2)}, META, "int8"))
+    with pytest.raises(CodecError, match="unknown codec 'int3'"):
+        decode(encode_wire(wire, META, "int8").replace(b'"codec":"int8"', b'"codec":"int3"'))
+
+
+def test_dequantize_refuses_q_of_the_wrong_codec():
+    q, scale = quantize(torch.randn(BLOCK), 8)
+    with pytest.raises(ValueError, match="integers must be"):
+        dequantize(q, scale, [BLOCK], 4)
+
+
+def test_reserved_suffixes_cannot_be_parameter_names():
+    with pytest.raises(ValueError, match="reserves"):
+        encode({"w.q": torch.ones(2)}, META, "int4")
