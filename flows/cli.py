@@ -44,9 +44,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--store", help="bucket URL template, e.g. s3://islands-{bucket} or file:///data/islands/{bucket}")
     run.add_argument("--corpus", help="fsspec URL or glob of the training text (default: stdlib)")
     run.add_argument("--model", help="tiny or small")
-    run.add_argument("--codec", help="fp32 or bf16")
+    run.add_argument("--codec", help="fp32, bf16, int8 or int4")
     run.add_argument("--speed", type=_speed, action="append", metavar="REGION=FACTOR", help="slow a region down (repeatable)")
     run.add_argument("--json", action="store_true", help="end with one JSON object")
+    run.add_argument("--chaos", action="append", metavar="SPEC",
+                     help="inject a fault (repeatable or comma-separated): kill:REGION@roundN, restart:REGION@roundN, "
+                          "stall:s3@40s+20s, crash:synchronizer@POINT[@roundN]")
 
     up = sub.add_parser("up", help="start the local S3 endpoint, Prefect server + UI and learner runner")
     up.add_argument("--regions", help="regional buckets to create (default: the demo's)")
@@ -55,6 +58,35 @@ def parser() -> argparse.ArgumentParser:
     res.add_argument("run_id")
     res.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
     res.add_argument("--json", action="store_true")
+
+    pl = sub.add_parser("plan", help="WAN bandwidth each scheme needs: data-parallel vs DiLoCo vs decoupled")
+    pl.add_argument("--params", type=float, default=10e9, help="model parameters, e.g. 1e9")
+    pl.add_argument("--step-time", type=float, default=1.0, help="seconds of compute per inner step")
+    pl.add_argument("--inner-steps", type=int, default=100, help="H, inner steps per phase")
+    pl.add_argument("--replicas", type=int, default=4, help="regions (workers) that exchange updates")
+    pl.add_argument("--bits", type=int, default=4, help="bits per value of the decoupled delta (codec)")
+    pl.add_argument("--checkpoint-bits", type=int, default=32, help="bits per value of the checkpoint learners download")
+    pl.add_argument("--overlap", type=int, help="steps of compute a decoupled transfer hides behind (default: H)")
+    pl.add_argument("--utilization", type=float, default=0.95, help="target compute utilization, e.g. 0.95")
+    pl.add_argument("--link-gbps", type=float, default=2.0, help="link for the checkpoint transfer time")
+    pl.add_argument("--check", action="store_true", help="compare with published figures instead")
+
+    srv = sub.add_parser("serve", help="register the deployments so runs can be started or scheduled from the UI")
+    srv.add_argument("--config", type=Path, help="TOML file whose fields become the run form's defaults")
+    when = srv.add_mutually_exclusive_group()
+    when.add_argument("--interval", type=float, metavar="SECONDS", help="start a training run every SECONDS")
+    when.add_argument("--cron", metavar="EXPR", help="start a training run on this cron schedule, e.g. '0 3 * * *'")
+
+    st = sub.add_parser("status", help="rounds, contributors, learners alive/late/dead, latest eval loss")
+    st.add_argument("run_id")
+    st.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
+    st.add_argument("--json", action="store_true")
+
+    aud = sub.add_parser("audit", help="verify a run from storage: hash chain, objects, token ledger")
+    aud.add_argument("run_id")
+    aud.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
+    aud.add_argument("--replay", action="store_true", help="also recompute every merge and compare the bits")
+    aud.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return p
 
 
@@ -80,18 +112,24 @@ def fail(message: str, code: int = EXIT_CONFIG) -> int:
     return code
 
 
-def bring_up(stack_scope: ExitStack, buckets: list[str]) -> tuple[dict, bool]:
-    """Environment of a running `islands up`, or of a stack started for this command's lifetime."""
+def bring_up(stack_scope: ExitStack, buckets: list[str], s3_front=None) -> tuple[dict, bool]:
+    """Environment of a running `islands up`, or of a stack started for this command's lifetime.
+
+    `s3_front` (a fault proxy) needs a stack of its own, so that every process goes through it.
+    """
     from infra.s3_server import create_buckets
     from infra.stack import LocalStack, default_data_dir, find_running, stack_env
 
     data_dir = default_data_dir()
     running = find_running(data_dir)
+    if running and s3_front is not None:
+        raise ConfigError(f"--chaos stall:s3 needs a stack of its own, but `islands up` is serving {data_dir}; "
+                          "stop it, or set ISLANDS_HOME to another folder")
     if running:
         create_buckets(running["s3_url"], buckets)
         return {**stack_env(data_dir, running["s3_url"], running["api_url"]), "ISLANDS_UI_URL": running["ui_url"]}, True
     print(f"islands: starting the embedded stack (S3 endpoint, Prefect server, learner runner) in {data_dir} …", file=sys.stderr)
-    stack = stack_scope.enter_context(LocalStack(data_dir, buckets))
+    stack = stack_scope.enter_context(LocalStack(data_dir, buckets, s3_front=s3_front))
     return {**stack.env(), "ISLANDS_UI_URL": stack.ui_url}, False
 
 
@@ -121,13 +159,28 @@ def preflight(config: RunConfig) -> None:
         store.check_reachable()
 
 
-def execute(config: RunConfig, as_json: bool) -> int:
+def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) -> int:
     """Run (or continue) `config` against the embedded stack or the configured store."""
+    from flows.chaos import Chaos
+    from infra.s3_proxy import S3Proxy
     from storage.store import StoreError
 
+    stalls = Chaos.parse(chaos or []).stalls
+    proxies: list[S3Proxy] = []
     with ExitStack() as scope:
+
+        def s3_front(url: str) -> str:
+            proxies.append(scope.enter_context(S3Proxy(url)))
+            return proxies[0].url
+
+        if stalls and config.store is not None:
+            return fail("--chaos stall:s3 works on the embedded S3 endpoint only; drop --store")
         if config.store is None or "PREFECT_API_URL" not in os.environ:
-            env, reused = bring_up(scope, ["islands-global", *(f"islands-{r}" for r in config.regions)])
+            try:
+                env, reused = bring_up(scope, ["islands-global", *(f"islands-{r}" for r in config.regions)],
+                                       s3_front if stalls else None)
+            except ConfigError as exc:
+                return fail(str(exc))
             if config.store is not None:
                 env.pop("AWS_ENDPOINT_URL", None)
             os.environ.update(env)
@@ -141,7 +194,12 @@ def execute(config: RunConfig, as_json: bool) -> int:
             wait_for_learner_deployment(config.learner_deployment)
         from flows.training_run import training_run
 
-        summary = training_run(config)
+        for stall in stalls:
+            proxies[0].stall(stall.at_s, stall.for_s)
+        summary = training_run(config, chaos or None)
+        for stall in stalls:
+            print(f"islands: chaos: S3 stalled for {stall.for_s:g} s from {stall.at_s:g} s into the run; "
+                  f"{proxies[0].held} transfers were held and went through after it", file=sys.stderr)
         ui = os.environ.get("ISLANDS_UI_URL")
         if ui:
             hint = f"open {ui}" if reused else "run `islands up` to browse it again (its S3 buckets are restored)"
@@ -158,7 +216,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id()})
-    return execute(config, args.json)
+    problem = check_faults(config, args.chaos or [])
+    return fail(problem) if problem else execute(config, args.json, args.chaos)
+
+
+def check_faults(config: RunConfig, chaos: list[str]) -> str | None:
+    """What is wrong with --chaos or $ISLANDS_CRASH for this run, before anything starts."""
+    from flows.chaos import Chaos, ChaosError
+    from tasks.crash import CrashSpecError, armed
+
+    try:
+        armed()
+        Chaos.parse(chaos).check(config.regions, config.rounds)
+    except (ChaosError, CrashSpecError) as exc:
+        return str(exc)
+    return None
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -173,7 +245,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
             config = RunConfig.model_validate(read_config(Stores(template, []).global_, args.run_id))
         except (ObjectMissing, StoreError) as exc:
             return fail(f"{args.run_id}: no such run in {template} ({exc})")
-    return execute(config, args.json)
+    problem = check_faults(config, [])
+    return fail(problem) if problem else execute(config, args.json)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -189,9 +262,85 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(3600)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, {})
+    except ConfigError as exc:
+        return fail(str(exc))
+    scheduled = args.interval is not None or args.cron is not None
+    if scheduled and config.run_id is not None:
+        return fail(f"run_id: fixed to {config.run_id!r}, so every scheduled run would continue that one run; "
+                    "remove run_id from the config so each run gets a fresh one")
+    with ExitStack() as scope:
+        embedded = "PREFECT_API_URL" not in os.environ
+        if embedded:
+            env, _ = bring_up(scope, ["islands-global", *(f"islands-{r}" for r in config.regions)])
+            os.environ.update(env)
+            print(f"Prefect UI: {env['ISLANDS_UI_URL']}", file=sys.stderr)
+        # Prefect reads its settings when first imported: only after the stack's are in place.
+        from flows.serve import driver_deployments, learner_deployment, serve_deployments
+
+        deployments = driver_deployments(config, args.interval, args.cron)
+        if not embedded:  # the embedded stack's own runner serves learner/local already
+            deployments.append(learner_deployment())
+        names = ", ".join(d.full_name for d in deployments)
+        print(f"islands: serving {names}; Ctrl-C stops", file=sys.stderr, flush=True)
+        serve_deployments(deployments)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from flows.status import render, run_status
+    from storage.store import StoreError
+
+    try:
+        report = run_status(args.run_id, args.store)
+    except StoreError as exc:
+        return fail(str(exc))
+    print(json.dumps(report) if args.json else render(report))
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Exit 0 when every check holds, 1 naming each round and object that does not."""
+    from storage.rounds import read_config
+    from storage.store import ObjectMissing, StoreError, Stores
+    from tasks.audit import audit_run
+
+    with ExitStack() as scope:
+        if args.store is None:
+            os.environ.update(bring_up(scope, ["islands-global"])[0])
+        template = args.store or "s3://islands-{bucket}"
+        try:
+            regions = RunConfig.model_validate(read_config(Stores(template, []).global_, args.run_id)).regions
+        except (ObjectMissing, StoreError) as exc:
+            return fail(f"{args.run_id}: no such run in {template} ({exc})")
+        report = audit_run(Stores(template, regions), args.run_id, args.replay)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tasks.wan_plan import Workload, check_lines, report
+
+    if args.check:
+        print("\n".join(check_lines()))
+        return 0
+    try:
+        w = Workload(
+            params=args.params, step_s=args.step_time, inner_steps=args.inner_steps, replicas=args.replicas,
+            utilization=args.utilization, delta_bits=args.bits, checkpoint_bits=args.checkpoint_bits,
+            overlap_steps=args.inner_steps if args.overlap is None else args.overlap,
+        )
+        print("\n".join(report(w, args.link_gbps, args.checkpoint_bits)))
+    except ValueError as exc:
+        return fail(f"plan: {exc}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    commands = {"run": cmd_run, "up": cmd_up, "resume": cmd_resume}
+    commands = {"run": cmd_run, "up": cmd_up, "resume": cmd_resume, "serve": cmd_serve, "status": cmd_status, "audit": cmd_audit, "plan": cmd_plan}
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

@@ -3,6 +3,11 @@ rounds until the target, stop the learners, report.
 
 Learners are flow runs of a deployment, so on a cluster each runs in its region's work pool and
 on one machine the local runner starts them as processes — the same call either way.
+
+Each driver start claims a new epoch of the run's lease and keeps it beating (storage.lease); the
+learners it launches follow that epoch. A resumed driver first waits for the learners of older
+epochs to end — they stop as soon as they see the newer epoch — so one learner never has two
+processes writing its phases.
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelling
 
 from flows.artifacts import RunProgress, publish_report
+from flows.buckets import prepare_buckets
 from flows.config import RunConfig, new_run_id
 from flows.outer_round import outer_round, summarize
 from flows.progress import ProgressView
-from storage import layout
+from flows.chaos import Chaos
+from flows.learner_runs import retire_learners
+from storage import layout, lease
 from storage.rounds import latest_round, object_metadata, read_chain
 from storage.store import Stores
+from tasks.crash import LEARNER_POINTS, armed, crash_point, parse
 from tasks.publish import publish_initial
 
 EMBEDDED_STORE = "s3://islands-{bucket}"
@@ -51,18 +60,25 @@ def create_run(config: RunConfig, stores: Stores) -> None:
         publish_initial(config, config.run_id, stores)
 
 
-def launch_learners(config: RunConfig, store: str) -> list[UUID]:
-    ids = []
-    for learner, region, _ in config.learners():
-        fr = run_deployment(
-            config.learner_deployment.replace("{region}", region),
-            parameters={"run_id": config.run_id, "learner": learner, "store": store},
-            flow_run_name=f"learner-{learner}",
-            timeout=0,
-            tags=[config.run_id, region],
-        )
-        ids.append(fr.id)
-    return ids
+def learner_crash() -> str | None:
+    """The driver's crash setting when it names a learner point: the learners die there."""
+    spec = armed()
+    return spec if spec is not None and parse(spec)[0] in LEARNER_POINTS else None
+
+
+def launch_learner(config: RunConfig, store: str, learner: str, region: str, epoch: int) -> UUID:
+    fr = run_deployment(
+        config.learner_deployment.replace("{region}", region),
+        parameters={"run_id": config.run_id, "learner": learner, "store": store, "driver": epoch, "crash": learner_crash()},
+        flow_run_name=f"learner-{learner}",
+        timeout=0,
+        tags=[config.run_id, region],
+    )
+    return fr.id
+
+
+def launch_learners(config: RunConfig, store: str, epoch: int) -> list[UUID]:
+    return [launch_learner(config, store, learner, region, epoch) for learner, region, _ in config.learners()]
 
 
 def wait_learners(ids: list[UUID], timeout_s: float, cancel: bool) -> dict[str, str]:
@@ -102,26 +118,48 @@ def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, in
 
 
 @flow(name="training-run", flow_run_name=_name)
-def training_run(config: RunConfig) -> dict:
-    """Train until `config.rounds` outer rounds are published; returns the run summary."""
-    log = get_run_logger()
+def training_run(config: RunConfig, chaos: list[str] | None = None) -> dict:
+    """Train until `config.rounds` outer rounds are published; returns the run summary.
+
+    `chaos`: learner kills/restarts and synchronizer crashes to rehearse (flows.chaos), e.g.
+    ["kill:eu-west@round3", "crash:synchronizer@publish.after_model"].
+    """
     t0 = time.time()
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id()})
     run, store = config.run_id, store_template(config)
     stores = Stores(store, config.regions)
+    prepare_buckets(config, stores)
     create_run(config, stores)
     start = latest_round(stores.global_, run) or 0
+    epoch = lease.claim(stores.global_, run, {"flow_run": str(flow_run.id), "from_round": start, "at": time.time()})
+    with lease.Heartbeat(stores.global_, run, epoch):
+        return drive(config, stores, start, epoch, Chaos.parse(chaos or []), t0)
+
+
+def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chaos, t0: float) -> dict:
+    """Rounds start+1..target under driver epoch `epoch`, then the summary."""
+    log = get_run_logger()
+    run, store = config.run_id, stores.template
     view = ProgressView(run)
     view.header(read_chain(stores.global_, run)[-1][0], config)
     progress = RunProgress(run, config.rounds, start)
-    learner_ids = launch_learners(config, store) if start < config.rounds else []
-    log.info("%s: %d learners launched; rounds %d..%d to go", run, len(learner_ids), start + 1, config.rounds)
+    retired = retire_learners(run) if epoch > 0 else []
+    if retired:
+        log.warning("%s: learner runs %s of an earlier driver never ended; marked cancelled", run, ", ".join(retired))
+    learner_ids = launch_learners(config, store, epoch) if start < config.rounds else []
+    log.info("%s: %d learners launched under driver epoch %d; rounds %d..%d to go", run, len(learner_ids), epoch,
+             start + 1, config.rounds)
     done = False
     try:
         for r in range(start + 1, config.rounds + 1):
+            chaos.crash_round(run, r, store)
             view.round(outer_round(run_id=run, round=r, store=store))
             progress.update(r)
+            crash_point("round.after_publish", r)
+            learner_ids += chaos.after_round(
+                run, r, config.learners(), lambda learner, region: launch_learner(config, store, learner, region, epoch)
+            )
         done = True
     finally:
         if done:
@@ -138,7 +176,8 @@ def training_run(config: RunConfig) -> dict:
         "wall_s": round(time.time() - t0, 1),
         "checkpoints": f"{stores.global_.url}/{layout.rounds_prefix(run)}",
         "learners": learner_states,
+        **({"chaos": chaos.log} if chaos.log else {}),
     }
-    publish_report(run, summary, rows, summary["checkpoints"])
+    publish_report(summary, rows, [m for m, _ in chain], stores)
     view.footer(summary)
     return summary
