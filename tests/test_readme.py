@@ -20,5 +20,5 @@ def config_fields() -> set[str]:
 
 
 def test_config_reference_matches_the_code():
-    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", README.read_text(), flags=re.M))
+    documented = set(re.findall(r"^\| `([a-z_.]+)` \| `", README.read_text(), flags=re.M))
     assert documented == config_fields()
