@@ -11,6 +11,7 @@ only known dtypes, and every tensor's byte range must lie inside the object.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -21,6 +22,7 @@ from safetensors.torch import save as st_save
 from tasks.compress import CODECS, from_wire, to_wire
 
 MAX_HEADER_BYTES = 16 * 2**20
+BODY_SHA256 = "body_sha256"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -48,11 +50,14 @@ def canonical(data: bytes) -> bytes:
     safetensors writes metadata entries in hash-map order, which changes from call to call;
     content-addressed checkpoints and bit-for-bit replays need one spelling. The header is
     re-written with sorted metadata, compact separators and the format's 8-byte space padding.
+    It also records the sha256 of the tensor bytes, so a flipped bit in the data is caught on read
+    even where a learner's delta has no other checksum.
     """
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
-    meta = header.pop("__metadata__", None)
-    ordered = ({"__metadata__": dict(sorted(meta.items()))} if meta else {}) | header
+    meta = header.pop("__metadata__", None) or {}
+    meta[BODY_SHA256] = hashlib.sha256(data[8 + n :]).hexdigest()
+    ordered = {"__metadata__": dict(sorted(meta.items()))} | header
     text = json.dumps(ordered, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text + data[8 + n :]
@@ -104,9 +109,20 @@ def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict
     return header, metadata
 
 
+def check_body(data: bytes, metadata: dict[str, str]) -> None:
+    """The tensor bytes must match the sha256 the writer recorded (when it recorded one)."""
+    expected = metadata.get(BODY_SHA256)
+    if expected is None:
+        return
+    (n,) = struct.unpack("<Q", data[:8])
+    if hashlib.sha256(data[8 + n :]).hexdigest() != expected:
+        raise CodecError("tensor bytes do not match the body_sha256 in the header (corrupted in storage or transit)")
+
+
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parse checked bytes; floating tensors come back as float32 under their own names."""
     _, metadata = read_header(data)
+    check_body(data, metadata)
     try:
         tensors = st_load(data)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
@@ -123,5 +139,5 @@ def encode_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | No
 
 
 def decode_state(data: bytes) -> dict[str, torch.Tensor]:
-    read_header(data)
+    check_body(data, read_header(data)[1])
     return st_load(data)

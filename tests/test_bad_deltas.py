@@ -30,6 +30,12 @@ def _flip_header(data: bytes) -> bytes:
     return bytes(out)
 
 
+def _flip_tensor_bytes(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[-100] ^= 0x10  # one bit inside the last tensor's values
+    return bytes(out)
+
+
 def _with(tensors: dict, **changes) -> dict:
     return {**tensors, **changes}
 
@@ -56,6 +62,7 @@ def run(on_stack):
         expected = {
             put(config, stores, "north-0", 1, honest[: len(honest) // 2]): "does not fit the object",
             put(config, stores, "north-0", 2, _flip_header(bad("north-0", 2))): "header is not JSON",
+            put(config, stores, "north-1", 7, _flip_tensor_bytes(bad("north-1", 7))): "do not match the body_sha256",
             put(config, stores, "north-0", 3, struct.pack("<Q", 10**6) + bad("north-0", 3)[8:100]): "larger than the object",
             put(config, stores, "north-0", 4, struct.pack("<Q", MAX_HEADER_BYTES + 1) + bad("north-0", 4)[8:]): "oversized header",
             put(config, stores, "south-0", 1, bad("south-0", 1, {("not.a.param" if k == name else k): v for k, v in g.items()})): "wrong tensor names",

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import hashlib
 import struct
 
 import pytest
@@ -51,6 +52,7 @@ def test_fp32_round_trip_is_exact_with_metadata():
     for name in src:
         assert out[name].dtype == src[name].dtype
         assert torch.equal(out[name], src[name])
+    assert meta.pop("body_sha256") == hashlib.sha256(data[8 + header_length(data):]).hexdigest()
     assert meta == {**META, "finished_at": "1.5", "codec": "fp32"}
     header, header_meta = read_header(data)
     assert header["wte.weight"]["dtype"] == "F32"
@@ -65,7 +67,7 @@ def test_bf16_round_trip_within_bf16_tolerance():
     assert header["step"]["dtype"] == "I64"  # only floating tensors change wire dtype
     assert meta["codec"] == "bf16"
     out, meta = decode(data)
-    assert meta == {**META, "codec": "bf16"}
+    assert meta == {**META, "codec": "bf16", "body_sha256": meta["body_sha256"]}
     assert out["wte.weight"].dtype == torch.float32
     for name in ("wte.weight", "ln.bias"):
         assert torch.allclose(out[name], src[name], rtol=2**-8, atol=0)
@@ -190,6 +192,16 @@ def test_overlapping_tensors_are_refused_by_decode():
 def test_wrongly_typed_entries_are_codec_errors(entry):
     with pytest.raises(CodecError):
         decode(raw({"w": entry}, bytes(16)))
+
+
+def test_every_flipped_tensor_byte_is_refused():
+    good = encode(tensors(), META)
+    n = header_length(good)
+    for i in range(8 + n, len(good), 7):
+        bad = bytearray(good)
+        bad[i] ^= 0x01
+        with pytest.raises(CodecError, match="body_sha256"):
+            decode(bytes(bad))
 
 
 def test_every_flipped_header_byte_is_refused():
