@@ -19,22 +19,15 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
-from infra.stack import LocalStack
+from conftest import STACK_REGIONS
 
-REGIONS = ["north", "south"]
+REGIONS = STACK_REGIONS
 ROUNDS = 4
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("islands-home")
-    with LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)]).start(record=True) as s:
-        yield s, home
-
-
-@pytest.fixture(scope="module")
-def finished_run(stack):
-    s, home = stack
+def finished_run(islands_stack):
+    s, home = islands_stack
     env = {**os.environ, **s.env(), "ISLANDS_HOME": str(home)}
     cmd = [
         sys.executable, "-m", "flows.cli", "run", "--run-id", "e2e-run", "--regions", ",".join(REGIONS),
