@@ -17,6 +17,7 @@ from prefect.deployments import run_deployment
 from prefect.states import Scheduled
 
 from fake_learner import delta_bytes, new_run, put
+from flows.cli import wait_for_learner_deployment
 from infra.process import stop_group
 from storage import layout
 from storage.rounds import read_manifest
@@ -38,25 +39,13 @@ def wait_final(flow_run_id, timeout_s: float = 180.0):
     raise AssertionError(f"flow run {flow_run_id} did not finish within {timeout_s:.0f} s")
 
 
-def wait_deployment(timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with get_client(sync_client=True) as c:
-        while True:
-            try:
-                c.read_deployment_by_name(DEPLOYMENT)
-                return
-            except Exception:  # noqa: BLE001 - not registered yet
-                assert time.monotonic() < deadline, f"{DEPLOYMENT} was not served within {timeout_s:.0f} s"
-                time.sleep(0.5)
-
-
 def test_retrying_the_failed_flow_run_finishes_the_round_from_storage(on_stack, tmp_path):
     config, stores = new_run(RUN, min_quorum=2, round_timeout_s=2.0)
     log = open(tmp_path / "runner.log", "w")
     runner = subprocess.Popen([sys.executable, "-c", RUNNER], env={**os.environ, **on_stack, "PREFECT_RUNNER_POLL_FREQUENCY": "1"},
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_deployment()
+        wait_for_learner_deployment(DEPLOYMENT, timeout_s=120.0)
         first = run_deployment(DEPLOYMENT, parameters={"run_id": RUN, "round": 1, "store": stores.template}, timeout=0)
         failed = wait_final(first.id)
         assert failed.state.is_failed(), failed.state
