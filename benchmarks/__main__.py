@@ -2,16 +2,21 @@
 
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
+Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
+a suite stopped half-way keeps what it measured; the combined table prints at the end, with the
+suite's own wall-clock against its time budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
+from pathlib import Path
 
 from benchmarks import dataplane, faults, quality, utilization, wire
-from benchmarks.report import Result, Row, print_report, timed
+from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
     "quality": quality.run,
@@ -21,6 +26,22 @@ BENCHMARKS = {
     "utilization": utilization.run,
     "dataplane": dataplane.run,
 }
+SUITE_MINUTES, PART_MINUTES, QUICK_MINUTES = 45, 25, 3
+
+
+def time_budget(results: list[Result], total_s: float, quick: bool) -> Result:
+    """The suite's own bars: the whole under 45 minutes, each part under 25 (--quick: 3 in all)."""
+    res = Result("time", raw={r.name: round(r.seconds) for r in results} | {"suite": round(total_s)})
+    if quick:
+        res.rows.append(at_most("time: --quick suite, minutes", total_s / 60, QUICK_MINUTES, "see the parts' seconds"))
+        return res
+    if len(results) == len(BENCHMARKS):
+        res.rows.append(at_most("time: whole suite, minutes", total_s / 60, SUITE_MINUTES,
+                                "the mandated token budgets are compute-bound on 2 cores; see the parts' seconds"))
+    for r in results:
+        res.rows.append(at_most(f"time: {r.name}, minutes", r.seconds / 60, PART_MINUTES,
+                                "learner compute at this budget on 2 cores plus per-round overhead"))
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,16 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="toy sizes: a smoke test of every path in a few minutes")
     p.add_argument("--only", action="append", choices=sorted(BENCHMARKS), metavar="NAME",
                    help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
+    p.add_argument("--out", type=Path, default=Path(".islands/bench"), help="where each part's report is written as it finishes")
     args = p.parse_args(argv)
-    results, failed = [], False
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, failed, t0 = [], False, time.monotonic()
     for name in args.only or list(BENCHMARKS):
         try:
-            results.append(timed(BENCHMARKS[name], args.quick))
+            res = timed(BENCHMARKS[name], args.quick)
         except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
             failed = True
             traceback.print_exc()
-            results.append(Result(name, rows=[Row(f"{name}: did not complete", None, "runs", False, f"{type(exc).__name__}: {exc}")]))
-    print_report(results, args.quick)
+            res = Result(name, rows=[Row(f"{name}: did not complete", None, "runs", False, f"{type(exc).__name__}: {exc}")])
+        results.append(res)
+        (args.out / f"{name}{'-quick' if args.quick else ''}.md").write_text(report([res], args.quick))
+        print(f"[benchmarks] {name} finished in {res.seconds:.0f} s; report in {args.out}", file=sys.stderr, flush=True)
+    print_report([*results, time_budget(results, time.monotonic() - t0, args.quick)], args.quick)
     return 1 if failed else 0
 
 

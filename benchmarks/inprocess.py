@@ -8,6 +8,7 @@ shard i of the training split with sampler seed seed·1000 + i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -33,16 +34,17 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def data_parallel(budget: Budget, seed: int, snapshot_at: int | None = None) -> tuple[dict, dict | None]:
-    """One model, batch learners × 16, for `steps` steps; also θ after `snapshot_at` steps."""
+@lru_cache(maxsize=2)
+def data_parallel(budget: Budget, seed: int) -> tuple[dict, dict]:
+    """One model, batch learners × 16, for `steps` steps: θ at the end and θ half-way (the warm
+    start). Trained once per process: the quality parts of one suite run share it."""
     model = build_model(PRESET, seed)
     sampler = BatchSampler(train_bytes(), budget.learners * BATCH, model.config.block_size, seed=seed * 1000)
     trainer = InnerTrainer(model, sampler, InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps))
-    first = snapshot_at or budget.steps
-    trainer.run_phase(params_of(model), first)
-    snapshot = params_of(trainer.model) if snapshot_at else None
-    if budget.steps > first:
-        trainer.run_phase(params_of(trainer.model), budget.steps - first)
+    half = budget.steps // 2
+    trainer.run_phase(params_of(model), half)
+    snapshot = params_of(trainer.model)
+    trainer.run_phase(params_of(trainer.model), budget.steps - half)
     return params_of(trainer.model), snapshot
 
 

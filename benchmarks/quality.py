@@ -78,7 +78,7 @@ def run_robust(quick: bool) -> Result:
     half = Budget(learners=b.learners, steps=b.steps // 2, warmup=b.warmup)
     res = Result("quality_robust", settings={"budget": b.__dict__, "H": h, "warm": "data-parallel for the first half, "
                                              "then each method for the second half with fresh inner optimizers"})
-    dp, warm = data_parallel(b, seed=0, snapshot_at=half.steps)
+    dp, warm = data_parallel(b, seed=0)
     pipeline.WARM_STARTS["dp-half"] = warm
     a = heldout.loss(dp)
     sync = heldout.loss(sync_diloco(half, 0, h, SYNC_RULE, init=warm))

@@ -76,11 +76,13 @@ def timed(run: Callable[[bool], Result], quick: bool) -> Result:
     return res
 
 
+def report(results: list[Result], quick: bool) -> str:
+    note = "\n\n(--quick: a smoke test at toy sizes; the figures do not judge the bars)" if quick else ""
+    return table(results) + note + "\n" + details(results) + "\n"
+
+
 def print_report(results: list[Result], quick: bool) -> None:
-    print(table(results))
-    if quick:
-        print("\n(--quick: a smoke test at toy sizes; the figures do not judge the bars)")
-    print(details(results), flush=True)
+    print(report(results, quick), end="", flush=True)
 
 
 def standalone(run: Callable[[bool], Result]) -> None:
