@@ -83,6 +83,7 @@ def learner(run_id: str, learner: str, store: str, driver: int | None = None, cr
         out = train_phase(session, session.next_phase, base)
         phases += out["steps"] > 0
         tokens += out.get("tokens", 0)
+    session.uploads.close()  # the last phase's delta and state are in storage before the run ends
     log.info("%s learner %s (%s) done: %d phases, %d tokens%s", run_id, learner, session.region, phases, tokens,
              f"; stopped: {session.halt}" if session.halt else "")
     return {"learner": learner, "phases": phases, "tokens": tokens, "halt": session.halt}

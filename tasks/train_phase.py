@@ -26,6 +26,7 @@ from tasks.compress import compress_with_feedback, residual_state, split_residua
 from tasks.data import BatchSampler, shard, split_held_out
 from tasks.inner import InnerConfig, InnerTrainer
 from tasks.model import build_model
+from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
 
@@ -53,6 +54,7 @@ class LearnerSession:
     crash: str | None = None  # crash point armed in this learner (tasks.crash)
     halt: str | None = None  # why the learner stops before the run ends
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
+    uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
 
     @property
     def global_store(self) -> ObjectStore:
@@ -151,10 +153,6 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
     if result.steps == 0:
         log.info("%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase)
         return {"phase": phase, "steps": 0}
-    if session.superseded():
-        # A newer driver's learner owns this learner's phases now; it re-does this data.
-        log.warning("%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt)
-        return {"phase": phase, "steps": 0}
     store = session.regional_store
     io_read, io_written = session.io_totals()
     meta = {
@@ -166,18 +164,27 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
     # Error feedback: what the codec drops now rides along with the next delta.
     wire, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)
     delta = encode_wire(wire, meta, cfg.codec)
-    crash_point("phase.before_delta", phase, session.crash)
-    store.put_or_verify(layout.delta_key(session.run, session.learner, phase), delta)
-    crash_point("phase.after_delta", phase, session.crash)
-    # The delta first: a crash before the state is saved re-trains from the older state, it never
-    # loses a finished delta.
+    # Encoded now, before the next phase moves the optimizer on; uploaded while it trains.
     state = encode_state(
         {**session.trainer.state_dict(), **residual_state(residual)}, {"phase": str(phase), "base_round": str(base_round)}
     )
-    store.put_or_verify(layout.learner_state_key(session.run, session.learner, phase), state)
-    crash_point("phase.after_state", phase, session.crash)
+
+    def upload() -> None:
+        if session.superseded():
+            # A newer driver's learner owns this learner's phases now; it re-does this data.
+            log.warning("%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt)
+            return
+        crash_point("phase.before_delta", phase, session.crash)
+        store.put_or_verify(layout.delta_key(session.run, session.learner, phase), delta)
+        crash_point("phase.after_delta", phase, session.crash)
+        # The delta first: a crash before the state is saved re-trains from the older state, it
+        # never loses a finished delta.
+        store.put_or_verify(layout.learner_state_key(session.run, session.learner, phase), state)
+        crash_point("phase.after_state", phase, session.crash)
+        session.collect_old_states(phase)
+
+    session.uploads.submit(upload)
     session.residual = residual
-    session.collect_old_states(phase)
     session.next_phase = phase + 1
     log.info(
         "%s learner %s (%s) phase %d on round %d: loss %.3f, %d tokens, %.1f s, delta %.2f MB",
