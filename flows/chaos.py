@@ -3,7 +3,8 @@
     kill:REGION@roundN             SIGKILL that region's learner processes once round N is
                                    published; they stay dead
     restart:REGION@roundN          the same, then launch new learner flow runs that resume from
-                                   their saved state
+                                   their saved state (a region killed earlier is only relaunched:
+                                   kill:R@round10 + restart:R@round20 takes R away for 10 rounds)
     stall:s3@40s+20s               the S3 endpoint stops answering 40 s into the run, for 20 s
                                    (infra.s3_proxy; clients wait and retry through it)
     crash:synchronizer@POINT[@roundN]
@@ -52,6 +53,7 @@ class Chaos:
     crashes: list[tuple[str, int | None]] = field(default_factory=list)  # (point, round or None: first)
     stalls: list[Stall] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
+    dead: set[str] = field(default_factory=set)  # regions killed and not relaunched yet
 
     @classmethod
     def parse(cls, specs: list[str]) -> "Chaos":
@@ -119,10 +121,14 @@ class Chaos:
 
         launched = []
         for region in self.kills.get(r, []) + self.restarts.get(r, []):
-            names = kill_learners(run, region)
-            note = f"round {r}: killed {', '.join(names)} (SIGKILL)"
+            if region in self.dead:
+                note = f"round {r}: {region}'s learners are down since an earlier kill"
+            else:
+                note = f"round {r}: killed {', '.join(kill_learners(run, region))} (SIGKILL)"
+                self.dead.add(region)
             if region in self.restarts.get(r, []):
                 launched += [relaunch(learner, region) for learner, where, _ in learners if where == region]
+                self.dead.discard(region)
                 note += "; relaunched from saved state"
             self._note(note)
         return launched

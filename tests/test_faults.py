@@ -71,6 +71,21 @@ def test_a_bad_chaos_spec_names_the_bad_part(spec, names):
     assert repr(spec) in str(err.value) and names in str(err.value)
 
 
+def test_a_region_killed_then_restarted_is_away_in_between_and_killed_once(monkeypatch):
+    import flows.learner_runs
+
+    killed = []
+    monkeypatch.setattr(flows.learner_runs, "kill_learners", lambda run, region: killed.append(region) or [f"learner-{region}-0"])
+    monkeypatch.setattr(Chaos, "_note", lambda self, line: self.log.append(line))
+    chaos = Chaos.parse(["kill:west@round2,restart:west@round4"])
+    learners = [("west-0", "west", 0), ("east-0", "east", 1)]
+    relaunch = lambda learner, region: learner  # noqa: E731
+    assert chaos.after_round("r", 2, learners, relaunch) == [] and killed == ["west"]
+    assert chaos.after_round("r", 3, learners, relaunch) == []
+    assert chaos.after_round("r", 4, learners, relaunch) == ["west-0"] and killed == ["west"]
+    assert "down since an earlier kill; relaunched" in chaos.log[-1]
+
+
 def test_chaos_must_fit_the_run():
     with pytest.raises(ChaosError, match="no such region"):
         Chaos.parse(["kill:mars@round1"]).check(["eu-west"], 4)
