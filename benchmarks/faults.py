@@ -3,7 +3,7 @@
 (a) the decoupled pipeline without faults; (b) the same with one learner at a third of the speed
 and another killed for the middle third of the rounds (`islands run --chaos`); (c) synchronous
 DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min = all), learners
-waiting for each round, and a round timeout so a dead learner cannot stall it for ever.
+waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever.
 
 Each learner is capped to half a core (1 thread, compute then sleep as long: speed 0.5), so four
 learners fit on two cores and lost compute shows as lost time instead of being absorbed.
@@ -34,7 +34,7 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     chaos = (f"kill:{KILLED}@round{rounds // 3}", f"restart:{KILLED}@round{2 * rounds // 3}")
     a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=capped, warmup=2 if quick else 50)
     b = replace(a, name="fb", speed=faulty, chaos=chaos)
-    c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, round_timeout_s=20.0 if quick else 60.0)
+    c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, rebase=False, round_timeout_s=20.0 if quick else 60.0)
     return a, b, c, target
 
 

@@ -48,8 +48,9 @@ def run(quick: bool) -> Result:
     res = Result("utilization", settings={"spec": spec.config(), "threads": 1, "speed_cap": CAP, "bare_steps": steps},
                  raw={"pipeline_tokens_per_s": ours, "per_learner": per_learner, "bare_tokens_per_s": bare, "bare": outs})
     res.rows.append(at_least("utilization: learner tokens/s in the pipeline / bare", ours / bare, 0.95,
-                             "between phases a learner waits for a newer round (up to learner_wait_s), downloads "
-                             "the checkpoint and uploads its delta and state before training on"))
+                             "per-phase costs left on the learner's path: the Prefect task run, encoding the delta "
+                             "and state, and the CPU the synchronizer, the Prefect server and moto take from the "
+                             "learners on the same two cores"))
     return res
 
 

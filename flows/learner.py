@@ -1,8 +1,8 @@
 """The learner flow: phase after phase, each from the newest published round, until the run ends.
 
-A learner never waits on the synchronizer for longer than `learner_wait_s`: if no newer round
-has been published by then it trains again from the round it has (its delta is then one round
-staler, and the merge weighs it accordingly).
+Rounds are fetched in the background (tasks.follow) and a round published mid-phase is folded
+into the phase in progress (`rebase`), so a learner never stops for the synchronizer. It waits
+for a newer round only if `learner_wait_s` > 0, and at most that long.
 
 A learner follows the driver that launched it (`storage.lease`): it ends when the run ends, when
 that driver has been silent for the lease, or when a resumed driver took over — never two
@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 
 from flows.config import RunConfig
 from storage import lease
-from storage.rounds import latest_round, read_config
+from storage.rounds import read_config
 from storage.store import Stores
 from tasks.crash import LEARNER_POINTS, CrashSpecError, parse
 from tasks.train_phase import LearnerSession, train_phase
@@ -35,19 +35,18 @@ def _name() -> str:
 
 def next_base(session: LearnerSession) -> int | None:
     """The round to train from next, or None when the run is over."""
-    cfg, store, run = session.config, session.global_store, session.run
+    cfg = session.config
     deadline = time.monotonic() + cfg.learner_wait_s
     while True:
         if session.must_stop():
             return None
-        newest = latest_round(store, run)
-        if newest is None:
-            raise RuntimeError(f"run {run} has no round 0 in {store.url}; start it with `islands run`")
+        newest = session.rounds.held()[0]
         if newest >= cfg.rounds:
             return None
-        if session.last_base is None or newest > session.last_base or time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if session.last_base is None or newest > session.last_base or left <= 0:
             return newest
-        time.sleep(POLL_S)
+        session.rounds.wait_newer(session.last_base, min(POLL_S, left))
 
 
 def record_process() -> None:
@@ -79,10 +78,12 @@ def learner(run_id: str, learner: str, store: str, driver: int | None = None, cr
     log.info("%s learner %s (%s) starts at phase %d under driver epoch %d", run_id, learner, session.region,
              session.next_phase, epoch)
     phases = tokens = 0
-    while (base := next_base(session)) is not None:
-        out = train_phase(session, session.next_phase, base)
+    session.follow(POLL_S)
+    while next_base(session) is not None:
+        out = train_phase(session, session.next_phase)
         phases += out["steps"] > 0
         tokens += out.get("tokens", 0)
+    session.rounds.close()
     session.uploads.close()  # the last phase's delta and state are in storage before the run ends
     log.info("%s learner %s (%s) done: %d phases, %d tokens%s", run_id, learner, session.region, phases, tokens,
              f"; stopped: {session.halt}" if session.halt else "")

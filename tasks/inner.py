@@ -130,12 +130,16 @@ class InnerTrainer:
         slowdown: float = 1.0,
         on_step: Callable[[int, float], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        rebase: Callable[[], dict[str, torch.Tensor] | None] | None = None,
     ) -> PhaseResult:
         """Train `steps` inner steps from base and return base − local.
 
         slowdown > 1 stands in for a slower region: after each step the trainer sleeps
         (slowdown − 1) × that step's compute time. on_step gets (total inner steps so far, loss).
         should_stop is asked before each step; the result then covers only the steps done.
+        rebase is asked before each step too: when it returns a newer global model, the outer
+        update (newer − base) is added to the local weights and the phase goes on from there, so
+        the delta is measured against the newer model instead of arriving stale.
         """
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
@@ -148,6 +152,9 @@ class InnerTrainer:
         for _ in range(steps):
             if should_stop is not None and should_stop():
                 break
+            if rebase is not None and (newer := rebase()) is not None:
+                self._shift(base, newer)
+                base = newer
             step_started = self.clock()
             loss = self._train_step()
             compute_seconds = self.clock() - step_started
@@ -170,6 +177,12 @@ class InnerTrainer:
             seconds=seconds,
             losses=losses,
         )
+
+    @torch.no_grad()
+    def _shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
+        """Local weights += newer − base: the phase's progress so far, carried onto `newer`."""
+        for name, p in self.model.named_parameters():
+            p.add_(newer[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
 
     def _train_step(self) -> float:
         lr = lr_at(self.step, self.cfg)

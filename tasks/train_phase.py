@@ -19,11 +19,12 @@ from storage import layout
 from storage.codec import decode_state, encode_state, encode_wire
 from storage.corpus import read_corpus
 from storage.lease import Watch
-from storage.rounds import get_tensors, read_manifest, stop_requested
+from storage.rounds import get_tensors, latest_round, read_manifest, stop_requested
 from storage.store import ObjectStore, Stores
 from tasks.crash import crash_point
 from tasks.compress import compress_with_feedback, residual_state, split_residual
 from tasks.data import BatchSampler, shard, split_held_out
+from tasks.follow import RoundFollower
 from tasks.inner import InnerConfig, InnerTrainer
 from tasks.model import build_model
 from tasks.write_behind import WriteBehind
@@ -55,6 +56,7 @@ class LearnerSession:
     halt: str | None = None  # why the learner stops before the run ends
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
     uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
+    rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
 
     @property
     def global_store(self) -> ObjectStore:
@@ -110,6 +112,25 @@ class LearnerSession:
         manifest, _ = read_manifest(self.global_store, self.run, round_)
         return get_tensors(self.global_store, manifest.model)
 
+    def follow(self, poll_s: float) -> RoundFollower:
+        """Start following the published rounds (raises when the run has none)."""
+        self.rounds = RoundFollower(lambda: latest_round(self.global_store, self.run), self.base, poll_s).start(self.run)
+        return self.rounds
+
+    def rebase_offer(self, current: list[int]):
+        """For run_phase: a round newer than current[0] (and still part of the run), once."""
+        if not self.config.rebase:
+            return None
+
+        def offer() -> dict[str, torch.Tensor] | None:
+            newest, model = self.rounds.held()
+            if current[0] < newest < self.config.rounds:
+                current[0] = newest
+                return model
+            return None
+
+        return offer
+
     def must_stop(self) -> bool:
         """The run asked learners to stop, or this learner's driver is gone or replaced."""
         if self.halt is None and self.watch is not None:
@@ -141,15 +162,18 @@ class LearnerSession:
 
 
 @task(name="train-phase", cache_policy=NO_CACHE, task_run_name="{session.learner}/phase-{phase}")
-def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
-    """Train H steps from round `base_round`, then write the delta and the learner's state."""
+def train_phase(session: LearnerSession, phase: int) -> dict:
+    """Train H steps from the newest round held, folding in rounds published meanwhile, then
+    hand the delta and the learner's state to the uploads."""
     log = get_run_logger()
     cfg = session.config
-    base = session.base(base_round)
+    start_round, base = session.rounds.held()
+    current = [start_round]
     result = session.trainer.run_phase(
-        base, cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check()
+        base, cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check(),
+        rebase=session.rebase_offer(current),
     )
-    session.last_base = base_round
+    base_round = session.last_base = current[0]
     if result.steps == 0:
         log.info("%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase)
         return {"phase": phase, "steps": 0}
@@ -187,8 +211,9 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
     session.residual = residual
     session.next_phase = phase + 1
     log.info(
-        "%s learner %s (%s) phase %d on round %d: loss %.3f, %d tokens, %.1f s, delta %.2f MB",
-        session.run, session.learner, session.region, phase, base_round, result.loss, result.tokens,
+        "%s learner %s (%s) phase %d on round %d%s: loss %.3f, %d tokens, %.1f s, delta %.2f MB",
+        session.run, session.learner, session.region, phase, base_round,
+        f" (from round {start_round})" if start_round != base_round else "", result.loss, result.tokens,
         result.seconds, len(delta) / 1e6,
     )
     return {"phase": phase, "steps": result.steps, "tokens": result.tokens, "loss": result.loss, "seconds": result.seconds}

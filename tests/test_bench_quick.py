@@ -19,17 +19,19 @@ def test_table_rows_say_yes_or_no_against_their_bar():
     assert "n/a" in lines[-1] and rows[1].limit == "why" and rows[0].limit == ""
 
 
-def test_quick_dataplane_prints_one_table_with_numbers():
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane"],
+def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     start = lines.index("| benchmark | our figure | the bar | holds |")
     rows = [line for line in lines[start + 2:] if line.startswith("|")]
-    assert len(rows) == 3  # throughput, memory at K=2 and K=4
+    assert len(rows) == 4  # throughput, memory at K=2 and K=4, the suite's own time
+    assert rows[-1].startswith("| time: --quick suite, minutes |")
     for row in rows:
         _, name, ours, bar, holds, _ = (c.strip() for c in row.split("|"))
-        assert name.startswith("dataplane:")
+        assert name.startswith(("dataplane:", "time:"))
         assert re.fullmatch(r"-?\d+(\.\d+)?(e[-+]?\d+)?", ours), row
         assert re.search(r"\d", bar) and holds in ("yes", "no")
     assert "raw:" in proc.stdout and "settings:" in proc.stdout
+    assert (tmp_path / "dataplane-quick.md").read_text().startswith("| benchmark |")  # written as it finished

@@ -105,6 +105,30 @@ def test_should_stop_ends_the_phase_early():
     assert torch.equal(result.delta["ln_f.weight"], base_weights()["ln_f.weight"] - trainer.model.ln_f.weight.detach())
 
 
+def test_rebase_carries_the_progress_so_far_onto_the_newer_model():
+    """Mid-phase, a newer global model arrives: the local weights move by exactly newer − base,
+    training goes on from there, and the delta is measured against the newer model."""
+    base, newer = base_weights(0), base_weights(1)
+    rebased, by_hand = make_trainer(), make_trainer()
+    offered = []
+
+    def rebase():
+        offered.append(rebased.step)
+        return newer if rebased.step == 2 else None
+
+    result = rebased.run_phase(base, steps=3, rebase=rebase)
+    assert offered == [0, 1, 2] and result.steps == 3
+    # The same by hand: two steps from base, shift by newer − base, one more step.
+    by_hand.run_phase(base, steps=2)
+    shifted = {k: v.clone() for k, v in base.items()}
+    for name, p in by_hand.model.named_parameters():
+        shifted[name] = p.detach() + (newer[name] - base[name])
+    by_hand.run_phase(shifted, steps=1)
+    for name, p in rebased.model.named_parameters():
+        assert torch.equal(p, dict(by_hand.model.named_parameters())[name])
+        assert torch.equal(result.delta[name], newer[name] - p.detach())
+
+
 def test_slowdown_sleeps_for_the_extra_time_of_each_step():
     ticks = iter(range(1000))
     sleeps = []
