@@ -58,6 +58,9 @@ class QuorumSettings(_Section):
     min_quorum: int = Field(2, ge=1, description="Q_min: learners with a fresh delta needed before the grace window opens.")
     max_quorum: int | None = Field(None, ge=1, description="Q_max: close at once with this many (default: every learner).")
     grace_max_s: float = Field(20.0, ge=0, description="Longest extra wait for learners expected soon after Q_min.")
+    grace_fraction: float = Field(
+        0.5, ge=0, description="The grace is also at most this fraction of the median recent phase time."
+    )
     round_timeout_s: float = Field(600.0, gt=0, description="Hard deadline of a round; merge what arrived, or fail with none.")
     poll_s: float = Field(0.5, gt=0, description="How often the synchronizer lists the regional buckets.")
 

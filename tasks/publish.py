@@ -44,7 +44,7 @@ def hyper(config: RunConfig) -> dict:
     return {
         "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum, "staleness_lambda": m.staleness_lambda,
         "max_staleness": m.max_staleness, "token_cap": m.token_cap, "inner_steps": config.inner_steps,
-        "min_quorum": q.min_quorum, "max_quorum": config.max_quorum, "grace_max_s": q.grace_max_s,
+        "min_quorum": q.min_quorum, "max_quorum": config.max_quorum, "grace_max_s": q.grace_max_s, "grace_fraction": q.grace_fraction,
         "round_timeout_s": q.round_timeout_s, "model": config.model, "codec": config.codec,
     }
 

@@ -4,6 +4,7 @@ Nothing here sleeps or reads the time, so a scripted timeline tests it exactly a
 control of waiting (it can sleep until `recheck_at` or until the next delta lands).
 """
 
+import statistics
 from dataclasses import dataclass
 
 
@@ -13,6 +14,15 @@ class QuorumPolicy:
     max_quorum: int
     grace_max_s: float
     deadline_s: float
+    grace_fraction: float | None = None  # also cap the grace at this fraction of a typical phase
+
+    def grace_s(self, history: dict[str, "LearnerHistory"]) -> float:
+        """The grace window: grace_max_s, and at most grace_fraction × the median recent phase time
+        (so a fixed number of seconds does not hold back rounds whose phases take less)."""
+        phases = [s for h in history.values() for s in h.phase_seconds]
+        if self.grace_fraction is None or not phases:
+            return self.grace_max_s
+        return min(self.grace_max_s, self.grace_fraction * statistics.median(phases))
 
     def __post_init__(self):
         if self.min_quorum < 1:
@@ -25,6 +35,8 @@ class QuorumPolicy:
             raise ValueError(f"QuorumPolicy.grace_max_s must be >= 0 seconds (0: no grace), got {self.grace_max_s}")
         if self.deadline_s <= 0:
             raise ValueError(f"QuorumPolicy.deadline_s must be positive seconds, got {self.deadline_s}")
+        if self.grace_fraction is not None and self.grace_fraction < 0:
+            raise ValueError(f"QuorumPolicy.grace_fraction must be >= 0 (0: no grace), got {self.grace_fraction}")
 
 
 @dataclass
@@ -57,7 +69,7 @@ def decide(
     """Close at max_quorum, or after a grace window past min_quorum, or at the hard deadline.
 
     The grace window waits only for missing learners expected (from their recent phase times) by
-    the quorum time + grace_max_s; a learner with no history is not waited for.
+    the quorum time + the grace (`QuorumPolicy.grace_s`); a learner with no history is not waited for.
     """
     missing = tuple(sorted(name for name in learners if name not in arrived))
     deadline = started_at + policy.deadline_s
@@ -66,7 +78,7 @@ def decide(
 
     if len(arrived) >= policy.min_quorum:
         quorum_at = sorted(arrived.values())[policy.min_quorum - 1]
-        grace_end = quorum_at + policy.grace_max_s
+        grace_end = quorum_at + policy.grace_s(history)
         expected = {name: history[name].expected_arrival() if name in history else None for name in missing}
         worth_waiting = {name: t for name, t in expected.items() if t is not None and t <= grace_end}
         close_at = min(max(worth_waiting.values(), default=quorum_at), grace_end)

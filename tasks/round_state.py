@@ -81,7 +81,8 @@ class RoundState:
     def policy(self) -> QuorumPolicy:
         q = self.config.quorum
         return QuorumPolicy(
-            min_quorum=q.min_quorum, max_quorum=self.config.max_quorum, grace_max_s=q.grace_max_s, deadline_s=q.round_timeout_s
+            min_quorum=q.min_quorum, max_quorum=self.config.max_quorum, grace_max_s=q.grace_max_s, deadline_s=q.round_timeout_s,
+            grace_fraction=q.grace_fraction,
         )
 
     def eval_batches(self) -> list:

@@ -54,6 +54,18 @@ def test_grace_gives_up_at_the_expected_time_when_the_learner_is_late():
     assert at(1125.0, arrived, hist) == Decision(close=True, reason="quorum+grace", recheck_at=None, waiting_for=())
 
 
+def test_the_grace_is_capped_by_a_fraction_of_the_typical_phase():
+    # Phases take ~10 s; a fixed 30 s grace would wait for d (expected 25 s after the quorum).
+    hist = history(a=(1090.0, [10.0, 10.0]), b=(1100.0, [10.0, 10.0]), c=(1101.0, [10.0]), d=(1075.0, [60.0]))
+    arrived = {"a": 1100.0, "b": 1110.0}
+    assert at(1110.0, arrived, hist).waiting_for == ("c", "d")
+    half = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0, grace_fraction=0.5)
+    assert half.grace_s(hist) == 5.0  # the median phase is 10 s
+    assert at(1110.0, arrived, hist, policy=half) == Decision(close=False, reason=None, recheck_at=1111.0, waiting_for=("c",))
+    assert at(1111.0, arrived, hist, policy=half).close is True
+    assert half.grace_s({}) == 30.0  # no history yet: the fixed cap
+
+
 def test_closes_at_quorum_when_the_missing_are_expected_after_the_grace_cap_or_unknown():
     hist = history(c=(1100.0, [200.0]), d=(None, [50.0]))  # c at 1300 > 1140; d unknown
     decision = at(1110.0, {"a": 1100.0, "b": 1110.0}, hist)
@@ -102,6 +114,7 @@ def test_deadline_cuts_the_grace_window_short():
         ({"min_quorum": 0}, "min_quorum"),
         ({"min_quorum": 3, "max_quorum": 2}, "max_quorum"),
         ({"grace_max_s": -1.0}, "grace_max_s"),
+        ({"grace_fraction": -0.5}, "grace_fraction"),
         ({"deadline_s": 0.0}, "deadline_s"),
     ],
 )
