@@ -29,10 +29,11 @@ def hs(quick: bool) -> tuple[int, ...]:
 
 def decoupled_spec(quick: bool, h: int, seed: int = 0, init: str | None = None, steps: int | None = None) -> pipeline.Spec:
     """4 learners, one at a third of the speed, Q_min 2; enough rounds for the learners to train
-    the budget (about 3 fresh deltas a round, with a margin)."""
+    the budget: a round merges about 3 + 1/3 deltas (three learners at full speed and the slow
+    one every third round), plus a margin of a fifth."""
     b = budget(quick)
     steps = steps or b.steps
-    rounds = max(2, round(1.3 * b.learners * steps / h / 3))
+    rounds = max(2, round(1.2 * b.learners * steps / h / (3 + 1 / 3)))
     return pipeline.Spec(name=f"q{h}s{seed}{'w' if init else ''}", inner_steps=h, rounds=rounds, seed=seed,
                          warmup=b.warmup, total_steps=steps, init=init)
 
