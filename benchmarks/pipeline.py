@@ -12,6 +12,7 @@ import atexit
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,8 @@ def stack_env() -> dict[str, str]:
         home = Path(tempfile.mkdtemp(prefix="islands-bench-"))
         stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)]).start(record=True)
         atexit.register(stack.stop)
+        # SIGTERM (a timeout, `kill`) ends the process through atexit too, so no server is left behind.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         _STACK["env"] = {**stack.env(), "ISLANDS_HOME": str(home)}
         os.environ.update(_STACK["env"])
     return _STACK["env"]
