@@ -23,7 +23,7 @@ SLOW, KILLED = "eu-west", "ap-south"
 
 
 def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, float]:
-    h, rounds, target = (5, 6, 4.5) if quick else (10, 60, 2.6)
+    h, rounds, target = (5, 6, 4.5) if quick else (10, 45, 2.6)
     capped = tuple((r, CAP) for r in pipeline.REGIONS)
     faulty = tuple((r, CAP / 3 if r == SLOW else CAP) for r in pipeline.REGIONS)
     chaos = (f"kill:{KILLED}@round{rounds // 3}", f"restart:{KILLED}@round{2 * rounds // 3}")
