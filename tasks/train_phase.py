@@ -1,8 +1,13 @@
 """A learner's unit of work: one phase of H inner steps from a published round, ending in a delta.
 
 `LearnerSession` holds what lives across phases in the learner's process (model, inner AdamW,
-data cursor) and knows how to restore it from the learner's newest saved state, so a restarted
-learner continues where it stopped. `train_phase` is the Prefect task: one task run per phase.
+data cursor, the last base θ) and knows how to restore it from the learner's newest saved state,
+so a restarted learner continues where it stopped. `train_phase` is the Prefect task: one task
+run per phase.
+
+The way down: a learner holding θ_{r−1} rebuilds θ_r from the round's encoded update (a fraction
+of the checkpoint) and checks it against the manifest's model hash; one further behind, or just
+restarted, reads the checkpoint. Both come through the region's cache (storage.cache).
 """
 
 from __future__ import annotations
@@ -16,15 +21,18 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from storage import layout
-from storage.codec import decode_state, encode_state, encode_wire
+from storage.cache import regional_get
+from storage.codec import decode, decode_state, encode_state, encode_wire
 from storage.corpus import read_corpus
 from storage.lease import Watch
-from storage.rounds import get_tensors, read_manifest, stop_requested
-from storage.store import ObjectStore, Stores
+from storage.manifest import Manifest, ObjectRef
+from storage.rounds import checkpoint_metadata, read_manifest, stop_requested
+from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.crash import crash_point
 from tasks.compress import compress_with_feedback, residual_state, split_residual
 from tasks.data import BatchSampler, shard, split_held_out
 from tasks.inner import InnerConfig, InnerTrainer
+from tasks.merge import apply_update
 from tasks.model import build_model
 
 STOP_CHECK_S = 2.0
@@ -53,6 +61,7 @@ class LearnerSession:
     crash: str | None = None  # crash point armed in this learner (tasks.crash)
     halt: str | None = None  # why the learner stops before the run ends
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
+    held: tuple[int, dict[str, torch.Tensor]] | None = None  # (round, θ) of the last base, for the way down
 
     @property
     def global_store(self) -> ObjectStore:
@@ -104,9 +113,29 @@ class LearnerSession:
             if p is not None and p < newest - 1:
                 store.delete(key)
 
-    def base(self, round_: int) -> dict[str, torch.Tensor]:
+    def base(self, round_: int) -> tuple[dict[str, torch.Tensor], str]:
+        """θ of `round_` the cheapest way, and which way that was (for the phase's log line)."""
+        if self.held is not None and self.held[0] == round_:
+            return self.held[1], "held"
         manifest, _ = read_manifest(self.global_store, self.run, round_)
-        return get_tensors(self.global_store, manifest.model)
+        params, way = None, "checkpoint"
+        if self.held is not None and self.held[0] == round_ - 1 and manifest.update is not None:
+            params = self.rebuilt(manifest)
+            way = "update" if params is not None else "checkpoint: the update did not rebuild the published model"
+        if params is None:
+            params = decode_state(self.fetch(manifest.model))
+        self.held = (round_, params)
+        return params, way
+
+    def rebuilt(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
+        """θ_{r−1} + the round's update, if it encodes to the very bytes the manifest names."""
+        params = apply_update(self.held[1], decode(self.fetch(manifest.update))[0])
+        encoded = encode_state(params, checkpoint_metadata(self.run, manifest.round))
+        return params if sha256_hex(encoded) == manifest.model.sha256 else None
+
+    def fetch(self, ref: ObjectRef) -> bytes:
+        """A round's object through the region's cache: each crosses regions once per region."""
+        return regional_get(self.regional_store, self.global_store, self.run, ref, owner=self.learner)
 
     def must_stop(self) -> bool:
         """The run asked learners to stop, or this learner's driver is gone or replaced."""
@@ -133,9 +162,11 @@ class LearnerSession:
 
         return should_stop
 
-    def io_totals(self) -> tuple[int, int]:
+    def io_totals(self) -> dict[str, int]:
+        """Bytes this process moved so far; global reads alone are what crossed regions downwards."""
         g, r = self.global_store.io, self.regional_store.io
-        return g.bytes_read + r.bytes_read, g.bytes_written + r.bytes_written
+        return {"io_read": g.bytes_read + r.bytes_read, "io_read_global": g.bytes_read,
+                "io_written": g.bytes_written + r.bytes_written}
 
 
 @task(name="train-phase", cache_policy=NO_CACHE, task_run_name="{session.learner}/phase-{phase}")
@@ -143,7 +174,9 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
     """Train H steps from round `base_round`, then write the delta and the learner's state."""
     log = get_run_logger()
     cfg = session.config
-    base = session.base(base_round)
+    base, way = session.base(base_round)
+    if way.startswith("checkpoint:"):
+        log.warning("%s learner %s: round %d from the %s", session.run, session.learner, base_round, way)
     result = session.trainer.run_phase(
         base, cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check()
     )
@@ -156,12 +189,11 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
         log.warning("%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt)
         return {"phase": phase, "steps": 0}
     store = session.regional_store
-    io_read, io_written = session.io_totals()
     meta = {
         "run": session.run, "learner": session.learner, "region": session.region, "phase": phase,
         "base_round": base_round, "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
         "seconds": f"{result.seconds:.3f}", "finished_at": f"{time.time():.3f}",
-        "io_read": io_read, "io_written": io_written,
+        **session.io_totals(),
     }
     # Error feedback: what the codec drops now rides along with the next delta.
     wire, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)
@@ -180,8 +212,8 @@ def train_phase(session: LearnerSession, phase: int, base_round: int) -> dict:
     session.collect_old_states(phase)
     session.next_phase = phase + 1
     log.info(
-        "%s learner %s (%s) phase %d on round %d: loss %.3f, %d tokens, %.1f s, delta %.2f MB",
-        session.run, session.learner, session.region, phase, base_round, result.loss, result.tokens,
+        "%s learner %s (%s) phase %d on round %d (%s): loss %.3f, %d tokens, %.1f s, delta %.2f MB",
+        session.run, session.learner, session.region, phase, base_round, way, result.loss, result.tokens,
         result.seconds, len(delta) / 1e6,
     )
     return {"phase": phase, "steps": result.steps, "tokens": result.tokens, "loss": result.loss, "seconds": result.seconds}
