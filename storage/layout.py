@@ -142,3 +142,7 @@ def parse_driver_key(key: str) -> tuple[int, int | None] | None:
 
 def learner_name(region: str, index: int) -> str:
     return f"{region}-{index}"
+
+
+def learner_region(learner: str) -> str:
+    return learner.rsplit("-", 1)[0]
