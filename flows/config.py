@@ -84,6 +84,9 @@ class RunConfig(BaseModel):
     codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
         "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4 with one scale per 64 values."
     )
+    update_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "bf16", description="Wire format of the outer update published beside each checkpoint, which learners one round behind fetch instead of it."
+    )
     store: str | None = Field(
         None, description="Bucket URL template with {bucket}, e.g. s3://islands-{bucket}; empty = the embedded S3 endpoint."
     )

@@ -39,7 +39,7 @@ def summarize(manifest: Manifest) -> dict:
         "waited_s": manifest.quorum.waited_s,
         "eval_loss": manifest.eval_loss,
         "bytes_in": sum(c.bytes for c in manifest.contributions),
-        "bytes_out": manifest.model.bytes + (manifest.outer.bytes if manifest.outer else 0),
+        "bytes_out": sum(ref.bytes for ref in (manifest.model, manifest.outer, manifest.update) if ref),
         "excluded": [f"{e.key}: {e.reason}" for e in manifest.excluded],
         "tokens": sum(c.tokens for c in manifest.contributions),
     }

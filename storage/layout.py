@@ -4,7 +4,8 @@ Global bucket (written by the synchronizer and the driver)::
 
     runs/<run>/config.json
     runs/<run>/rounds/<r:06d>/model-<sha16>.safetensors   # θ_r, content-addressed
-    runs/<run>/rounds/<r:06d>/outer-<sha16>.safetensors   # Nesterov momentum after round r
+    runs/<run>/rounds/<r:06d>/outer-<sha16>.safetensors   # Nesterov momentum + update residual after r
+    runs/<run>/rounds/<r:06d>/update-<sha16>.safetensors  # θ_r − θ_{r−1} in the update codec (r ≥ 1)
     runs/<run>/rounds/<r:06d>/manifest.json               # commit point of round r
     runs/<run>/stop.json                                  # the driver asks learners to stop
     runs/<run>/drivers/<epoch:06d>.json                   # a driver's claim (each run or resume)
@@ -14,6 +15,13 @@ Regional bucket (written by that region's learners)::
 
     runs/<run>/deltas/<learner>/<phase:06d>.safetensors
     runs/<run>/learners/<learner>/state-<phase:06d>.safetensors
+    runs/<run>/cache/<r:06d>/model-<sha16>.safetensors    # the region's copy of a global object,
+    runs/<run>/cache/<r:06d>/update-<sha16>.safetensors   #   same round and content address
+    runs/<run>/cache/<r:06d>/<name>.claim                 # "one learner is fetching it", put-if-absent
+
+The regional cache lets a region pull each checkpoint or update across regions once, however many
+learners it has. It is kept for the life of the run and deleted with the run's prefix: it never
+holds more than the global bucket's rounds, and a copy is made only when a learner needed it.
 
 Checkpoints are named by their content so that two synchronizers racing on one round never
 overwrite each other's bytes; only the manifest (put-if-absent) decides which one is the round.
@@ -70,6 +78,22 @@ def outer_key(run: str, round_: int, sha256: str) -> str:
     return round_prefix(run, round_) + f"outer-{sha256[:16]}.safetensors"
 
 
+def update_key(run: str, round_: int, sha256: str) -> str:
+    return round_prefix(run, round_) + f"update-{sha256[:16]}.safetensors"
+
+
+def cache_key(run: str, global_key: str) -> str:
+    """Where a region keeps its copy of a round's object from the global bucket."""
+    rounds = rounds_prefix(run)
+    if not global_key.startswith(rounds):
+        raise ValueError(f"{global_key} is not an object of a round of run {run}; only those are cached")
+    return f"runs/{run}/cache/" + global_key[len(rounds):]
+
+
+def claim_key(cached_key: str) -> str:
+    return cached_key.rsplit(".", 1)[0] + ".claim"
+
+
 def deltas_prefix(run: str) -> str:
     return f"runs/{run}/deltas/"
 
@@ -118,3 +142,7 @@ def parse_driver_key(key: str) -> tuple[int, int | None] | None:
 
 def learner_name(region: str, index: int) -> str:
     return f"{region}-{index}"
+
+
+def learner_region(learner: str) -> str:
+    return learner.rsplit("-", 1)[0]

@@ -26,6 +26,12 @@ class ObjectRef(_Strict):
     bytes: int
 
 
+class EncodedRef(ObjectRef):
+    """An object written in a wire codec (storage.codec.encode_wire), which readers decode."""
+
+    codec: str
+
+
 class Contribution(_Strict):
     """A delta that was merged into this round."""
 
@@ -76,6 +82,7 @@ class Manifest(_Strict):
     created_at: str
     model: ObjectRef
     outer: ObjectRef | None
+    update: EncodedRef | None = None  # θ_r − θ_{r−1} as applied; absent in round 0 and older runs
     contributions: list[Contribution] = []
     excluded: list[Excluded] = []
     quorum: Quorum

@@ -11,8 +11,8 @@ import json
 import torch
 
 from storage import layout
-from storage.codec import MAX_HEADER_BYTES, decode_state, encode_state, read_header
-from storage.manifest import Manifest, ObjectRef
+from storage.codec import MAX_HEADER_BYTES, decode_state, encode_state, encode_wire, read_header
+from storage.manifest import EncodedRef, Manifest, ObjectRef
 from storage.store import IntegrityError, ObjectStore, sha256_hex
 
 
@@ -50,6 +50,21 @@ def put_tensors(store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor
     key = key_for_sha(sha)
     store.put_or_verify(key, data)
     return ObjectRef(key=key, sha256=sha, bytes=len(data))
+
+
+def checkpoint_metadata(run: str, round_: int) -> dict[str, str]:
+    """The metadata of round r's model and outer state: part of the model's hash, so whoever
+    rebuilds θ_r from θ_{r−1} and the update encodes it with these to compare."""
+    return {"run": run, "round": str(round_)}
+
+
+def put_update(store: ObjectStore, run: str, round_: int, wire: dict[str, torch.Tensor], codec: str) -> EncodedRef:
+    """Write round r's encoded outer update under its content address (a retry finds the same bytes)."""
+    data = encode_wire(wire, checkpoint_metadata(run, round_), codec)
+    sha = sha256_hex(data)
+    key = layout.update_key(run, round_, sha)
+    store.put_or_verify(key, data)
+    return EncodedRef(key=key, sha256=sha, bytes=len(data), codec=codec)
 
 
 def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """`islands audit`: prove from object storage alone that nothing was lost and nothing applied twice.
 
 It walks every round's manifest (the hash chain, each round in its place), re-reads and hashes
-every object a manifest names, balances each learner's token ledger, and with `replay`
+every object a manifest names, checks that each round's model is its parent's plus its published
+update (what learners rebuild it from), balances each learner's token ledger, and with `replay`
 recomputes every merge from its recorded deltas and checks the published bits. Reads go through
 storage/ only — no Prefect, no local state — so anyone with read access to the buckets can audit.
 
@@ -26,11 +27,12 @@ from pydantic import ValidationError
 
 from flows.config import RunConfig
 from storage import layout
-from storage.codec import CodecError, decode, decode_state, encode_state, read_header
+from storage.codec import CodecError, decode, decode_state, encode_state, encode_wire, read_header
 from storage.manifest import Contribution, Manifest, ObjectRef
-from storage.rounds import object_header, read_config
+from storage.rounds import checkpoint_metadata, object_header, read_config
 from storage.store import ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
-from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
+from tasks.compress import residual_state, split_residual
+from tasks.merge import Candidate, MergeRule, apply_update, encode_update, merge_round, plan_merge
 from tasks.model import PRESETS, build_model
 
 LEDGER = ("trained", "applied", "dropped", "pending", "lost")
@@ -92,6 +94,7 @@ class _Round:
     manifest: Manifest | None
     model: bytes | None = None
     outer: bytes | None = None
+    update: bytes | None = None
 
 
 def audit_run(stores: Stores, run: str, replay: bool) -> AuditReport:
@@ -165,8 +168,28 @@ class _Audit:
             self.problem(r, key, "no outer state named: every merged round records its momentum")
         else:
             current.outer = self.fetch_checkpoint(r, m.outer, layout.outer_key(self.run_id, r, m.outer.sha256))
+        if r > 0:
+            self.walk_update(r, key, m, current, parent)
         self.walk_deltas(r, m)
         return current
+
+    def walk_update(self, r: int, key: str, m: Manifest, current: _Round, parent: _Round | None) -> None:
+        """The update is named, intact, and θ_{r−1} + update is θ_r — what learners rely on."""
+        if m.update is None:
+            self.problem(r, key, "no update named: every merged round records the update it applied")
+            return
+        current.update = self.fetch_checkpoint(r, m.update, layout.update_key(self.run_id, r, m.update.sha256))
+        if current.update is None or current.model is None or parent is None or parent.model is None:
+            return
+        try:
+            params = apply_update(decode_state(parent.model), decode(current.update)[0])
+        except (CodecError, KeyError, RuntimeError) as exc:
+            self.problem(r, m.update.key, f"cannot be applied to round {r - 1}'s model ({_first_line(exc)})")
+            return
+        rebuilt = sha256_hex(encode_state(params, checkpoint_metadata(self.run_id, r)))
+        if rebuilt != m.model.sha256:
+            self.problem(r, m.update.key, f"round {r - 1}'s model + this update gives sha256 {rebuilt[:12]}…, the "
+                                          f"published model is {m.model.sha256[:12]}…: learners cannot rebuild round {r}")
 
     def fetch(self, r: int, store: ObjectStore, key: str, sha256: str, size: int | None) -> bytes | None:
         """The named bytes, or None after recording why they are not the named ones."""
@@ -238,10 +261,10 @@ class _Audit:
         r, m = current.round, current.manifest
         if r == 0:
             initial = build_model(self.config.model, self.config.seed).state_dict()
-            if self.same_bits(r, m.model, current.model, {k: v.detach().clone() for k, v in initial.items()}):
+            if self.same_bits(r, m.model, _as_published(current.model, {k: v.detach().clone() for k, v in initial.items()})):
                 self.report.replayed += 1
             return
-        unverified = (parent.model, current.model, current.outer) if parent is not None else (None,)
+        unverified = (parent.model, current.model, current.outer, current.update) if parent is not None else (None,)
         if any(b is None for b in unverified) or (r > 1 and parent.outer is None):
             self.report.notes.append(f"round {r} not replayed: its own or its parent's checkpoint failed the checks above")
             return
@@ -252,10 +275,16 @@ class _Audit:
         if any(d is None for d in deltas):
             self.report.notes.append(f"round {r} not replayed: a merged delta failed the checks above")
             return
-        momentum = decode_state(parent.outer) if parent.outer is not None else None
-        model, new_momentum = merge_round(decode_state(parent.model), momentum, deltas, [c.weight for c in m.contributions], rule)
-        model_ok = self.same_bits(r, m.model, current.model, model)
-        if self.same_bits(r, m.outer, current.outer, new_momentum) and model_ok:
+        momentum, residual = split_residual(decode_state(parent.outer)) if parent.outer is not None else (None, {})
+        params = decode_state(parent.model)
+        target, new_momentum = merge_round(params, momentum, deltas, [c.weight for c in m.contributions], rule)
+        update, model, new_residual = encode_update(params, target, residual, m.update.codec)
+        checks = [
+            (m.model, _as_published(current.model, model)),
+            (m.outer, _as_published(current.outer, {**new_momentum, **residual_state(new_residual)})),
+            (m.update, encode_wire(update, read_header(current.update)[1], m.update.codec)),
+        ]
+        if all([self.same_bits(r, ref, replayed) for ref, replayed in checks]):
             self.report.replayed += 1
 
     def plan_matches(self, r: int, key: str, m: Manifest, rule: MergeRule) -> bool:
@@ -293,11 +322,11 @@ class _Audit:
         except (KeyError, StoreError, CodecError):
             return None
 
-    def same_bits(self, r: int, ref: ObjectRef, published: bytes, tensors: dict[str, torch.Tensor]) -> bool:
-        """Serialize the replayed tensors as publish did (its metadata, canonical bytes) and compare hashes."""
-        replayed = sha256_hex(encode_state(tensors, read_header(published)[1]))
-        if replayed != ref.sha256:
-            self.problem(r, ref.key, f"replay gives sha256 {replayed[:12]}…, published {ref.sha256[:12]}…: "
+    def same_bits(self, r: int, ref: ObjectRef, replayed: bytes) -> bool:
+        """The replayed object's bytes hash as the published ones."""
+        sha = sha256_hex(replayed)
+        if sha != ref.sha256:
+            self.problem(r, ref.key, f"replay gives sha256 {sha[:12]}…, published {ref.sha256[:12]}…: "
                                      "not the merge of its recorded deltas")
             return False
         return True
@@ -353,6 +382,11 @@ class _Audit:
         except (CodecError, StoreError, KeyError) as exc:
             self.problem(None, key, f"learner state unreadable, so its trained tokens are unknown ({_first_line(exc)})")
             return None
+
+
+def _as_published(published: bytes, tensors: dict[str, torch.Tensor]) -> bytes:
+    """Replayed tensors serialized as publish did: its metadata, canonical bytes."""
+    return encode_state(tensors, read_header(published)[1])
 
 
 def _first_line(exc: Exception) -> str:

@@ -2,12 +2,19 @@
 
 Weights are Python floats (float64) and deltas are accumulated in float64 in a fixed order, so
 replaying a round from the same deltas gives the same bits.
+
+The round's model is *defined* as θ_{r−1} + decode(update), the update being the outer step as
+the update codec sends it: a learner holding θ_{r−1} rebuilds θ_r bit for bit from that small
+object instead of downloading the checkpoint. What the codec drops is kept as the synchronizer's
+error-feedback residual and added to the next round's update, so it is delayed, never lost.
 """
 
 import statistics
 from dataclasses import dataclass
 
 import torch
+
+from tasks.compress import compress_with_feedback, from_wire
 
 
 @dataclass(frozen=True)
@@ -141,3 +148,18 @@ def merge_round(
         prev = momentum[name] if momentum is not None else None
         model[name], new_momentum[name] = outer_step(param, prev, delta, rule.outer_lr, rule.outer_momentum)
     return model, new_momentum
+
+
+def apply_update(params: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """θ_r = θ_{r−1} + decoded update, elementwise in float32: the one way anyone computes it."""
+    return {name: param.add(update[name]) for name, param in params.items()}
+
+
+def encode_update(
+    params: dict[str, torch.Tensor], target: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the update's wire tensors, θ_r as readers rebuild it, the new residual) for a step from
+    `params` towards `target` (merge_round's θ), carrying the previous round's `residual`."""
+    step = {name: target[name] - param for name, param in params.items()}
+    wire, new_residual = compress_with_feedback(step, residual, codec)
+    return wire, apply_update(params, from_wire(wire, codec)), new_residual

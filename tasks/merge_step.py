@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from storage.manifest import Contribution, Excluded
 from tasks.collect import Arrival, Collected
 from tasks.data import evaluate
-from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
+from tasks.merge import Candidate, MergeRule, encode_update, merge_round, plan_merge
 from tasks.model import build_model
 from tasks.round_state import RoundState
 from tasks.validate import global_norm, norm_outliers
@@ -27,8 +27,10 @@ class RoundFailed(RuntimeError):
 
 @dataclass
 class Merged:
-    model: dict[str, torch.Tensor]
+    model: dict[str, torch.Tensor]  # θ_r = θ_{r−1} + decode(update)
     momentum: dict[str, torch.Tensor]
+    update: dict[str, torch.Tensor]  # wire tensors of the update codec
+    residual: dict[str, torch.Tensor]  # what the update codec has not sent yet
     contributions: list[Contribution]
     excluded: list[Excluded]
     eval_loss: float
@@ -85,6 +87,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
             f"{state.run} round {state.round}: no valid delta after {collected.waited_s:.0f} s "
             f"({len(excluded)} excluded); check the learners, then `islands resume {state.run}`"
         )
+    update, model, residual = encode_update(state.model, model, state.residual, state.config.update_codec)
     contributions = []
     for w in weighted:
         a = by_id[(w.candidate.learner, w.candidate.phase)]
@@ -96,4 +99,4 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     loss = eval_loss(state, model)
     log.info("%s round %d: merged %d deltas (%s), eval loss %.4f", state.run, state.round, len(contributions),
              ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions), loss)
-    return Merged(model, momentum, contributions, excluded, loss)
+    return Merged(model, momentum, update, residual, contributions, excluded, loss)

@@ -1,4 +1,5 @@
-"""Publish: write θ_r and the momentum (content-addressed), then the manifest — the commit point.
+"""Publish: write θ_r, its encoded update and the outer state (content-addressed), then the
+manifest — the commit point.
 
 The manifest is written last and only if absent. When another synchronizer (or an earlier try of
 this one) already committed the round, the loser reads the winner's manifest: if it names the
@@ -18,9 +19,10 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import RunConfig
 from storage import layout
 from storage.manifest import Manifest, Quorum
-from storage.rounds import put_tensors, read_manifest
+from storage.rounds import checkpoint_metadata, put_tensors, put_update, read_manifest
 from storage.store import Stores, sha256_hex
 from tasks.collect import Collected
+from tasks.compress import residual_state
 from tasks.crash import crash_point
 from tasks.data import evaluate
 from tasks.merge_step import Merged
@@ -64,7 +66,7 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     """Round 0: the seeded initial model, its held-out loss, no momentum yet."""
     model = build_model(config.model, config.seed)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, {"run": run, "round": "0"})
+    ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
     loss = evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, model.config.block_size, config.eval_batches))
     learners = [name for name, _, _ in config.learners()]
     manifest = Manifest(
@@ -81,15 +83,18 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
     log = get_run_logger()
     t0 = time.perf_counter()
     run, r, store = state.run, state.round, state.stores.global_
-    meta = {"run": run, "round": str(r)}
+    meta = checkpoint_metadata(run, r)
     model_ref = put_tensors(store, lambda sha: layout.model_key(run, r, sha), merged.model, meta)
+    update_ref = put_update(store, run, r, merged.update, state.config.update_codec)
     crash_point("publish.after_model", r)
-    outer_ref = put_tensors(store, lambda sha: layout.outer_key(run, r, sha), merged.momentum, meta)
+    # The residual travels with the momentum, so a resumed synchronizer carries on exactly.
+    outer = {**merged.momentum, **residual_state(merged.residual)}
+    outer_ref = put_tensors(store, lambda sha: layout.outer_key(run, r, sha), outer, meta)
     crash_point("publish.after_outer", r)
     parent, parent_sha = state.parent
     manifest = Manifest(
         run=run, round=r, parent_round=parent.round, parent_sha256=parent_sha, created_at=_now(),
-        model=model_ref, outer=outer_ref, contributions=merged.contributions, excluded=merged.excluded,
+        model=model_ref, outer=outer_ref, update=update_ref, contributions=merged.contributions, excluded=merged.excluded,
         quorum=Quorum(
             min_quorum=state.config.quorum.min_quorum, max_quorum=state.config.max_quorum,
             received=len({c.learner for c in merged.contributions}),

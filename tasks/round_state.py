@@ -8,7 +8,7 @@ second synchronizer or a retried flow run reaches the same view.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import torch
@@ -18,6 +18,7 @@ from storage.corpus import read_corpus
 from storage.manifest import Manifest
 from storage.rounds import get_tensors, read_chain
 from storage.store import Stores
+from tasks.compress import split_residual
 from tasks.data import eval_batches, split_held_out
 from tasks.model import PRESETS
 from tasks.quorum import LearnerHistory, QuorumPolicy
@@ -40,6 +41,7 @@ class RoundState:
     chain: list[tuple[Manifest, str]]
     model: dict[str, torch.Tensor]  # θ of the parent round
     momentum: dict[str, torch.Tensor] | None
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # what the update codec dropped so far
 
     @classmethod
     def load(cls, config: RunConfig, run: str, stores: Stores) -> "RoundState":
@@ -48,8 +50,8 @@ class RoundState:
             raise RuntimeError(f"run {run} has no round 0 in {stores.global_.url}")
         parent = chain[-1][0]
         model = get_tensors(stores.global_, parent.model)
-        momentum = get_tensors(stores.global_, parent.outer) if parent.outer else None
-        return cls(config, run, parent.round + 1, stores, chain, model, momentum)
+        momentum, residual = split_residual(get_tensors(stores.global_, parent.outer)) if parent.outer else (None, {})
+        return cls(config, run, parent.round + 1, stores, chain, model, momentum, residual)
 
     @property
     def parent(self) -> tuple[Manifest, str]:

@@ -1,12 +1,18 @@
 """A learner's unit of work: one phase of H inner steps from a published round, ending in a delta.
 
 `LearnerSession` holds what lives across phases in the learner's process (model, inner AdamW,
-data cursor) and knows how to restore it from the learner's newest saved state, so a restarted
-learner continues where it stopped. `train_phase` is the Prefect task: one task run per phase.
+data cursor, the last base θ) and knows how to restore it from the learner's newest saved state,
+so a restarted learner continues where it stopped. `train_phase` is the Prefect task: one task
+run per phase.
+
+The way down: a learner holding θ_{r−1} rebuilds θ_r from the round's encoded update (a fraction
+of the checkpoint) and checks it against the manifest's model hash; one further behind, or just
+restarted, reads the checkpoint. Both come through the region's cache (storage.cache).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,20 +22,24 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from storage import layout
-from storage.codec import decode_state, encode_state, encode_wire
+from storage.cache import regional_get
+from storage.codec import decode, decode_state, encode_state, encode_wire
 from storage.corpus import read_corpus
 from storage.lease import Watch
-from storage.rounds import get_tensors, latest_round, read_manifest, stop_requested
-from storage.store import ObjectStore, Stores
+from storage.manifest import Manifest, ObjectRef
+from storage.rounds import checkpoint_metadata, latest_round, read_manifest, stop_requested
+from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.crash import crash_point
 from tasks.compress import compress_with_feedback, residual_state, split_residual
 from tasks.data import BatchSampler, shard, split_held_out
 from tasks.follow import RoundFollower
 from tasks.inner import InnerConfig, InnerTrainer
+from tasks.merge import apply_update
 from tasks.model import build_model
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
+log = logging.getLogger(__name__)
 
 
 def inner_config(cfg: RunConfig) -> InnerConfig:
@@ -55,6 +65,7 @@ class LearnerSession:
     crash: str | None = None  # crash point armed in this learner (tasks.crash)
     halt: str | None = None  # why the learner stops before the run ends
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
+    held: tuple[int, dict[str, torch.Tensor]] | None = None  # (round, θ) of the last base, for the way down
     uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
 
@@ -108,14 +119,41 @@ class LearnerSession:
             if p is not None and p < newest - 1:
                 store.delete(key)
 
-    def base(self, round_: int) -> dict[str, torch.Tensor]:
+    def base(self, round_: int) -> tuple[dict[str, torch.Tensor], str]:
+        """θ of `round_` the cheapest way, and which way that was (for the phase's log line)."""
+        if self.held is not None and self.held[0] == round_:
+            return self.held[1], "held"
         manifest, _ = read_manifest(self.global_store, self.run, round_)
-        return get_tensors(self.global_store, manifest.model)
+        params, way = None, "checkpoint"
+        if self.held is not None and self.held[0] == round_ - 1 and manifest.update is not None:
+            params = self.rebuilt(manifest)
+            way = "update" if params is not None else "checkpoint: the update did not rebuild the published model"
+        if params is None:
+            params = decode_state(self.fetch(manifest.model))
+        self.held = (round_, params)
+        return params, way
+
+    def rebuilt(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
+        """θ_{r−1} + the round's update, if it encodes to the very bytes the manifest names."""
+        params = apply_update(self.held[1], decode(self.fetch(manifest.update))[0])
+        encoded = encode_state(params, checkpoint_metadata(self.run, manifest.round))
+        return params if sha256_hex(encoded) == manifest.model.sha256 else None
+
+    def fetch(self, ref: ObjectRef) -> bytes:
+        """A round's object through the region's cache: each crosses regions once per region."""
+        return regional_get(self.regional_store, self.global_store, self.run, ref, owner=self.learner)
 
     def follow(self, poll_s: float) -> RoundFollower:
         """Start following the published rounds (raises when the run has none)."""
-        self.rounds = RoundFollower(lambda: latest_round(self.global_store, self.run), self.base, poll_s).start(self.run)
-        return self.rounds
+        self.rounds = RoundFollower(lambda: latest_round(self.global_store, self.run), self.fetch_round, poll_s)
+        return self.rounds.start(self.run)
+
+    def fetch_round(self, round_: int) -> dict[str, torch.Tensor]:
+        """θ of `round_` for the follower thread, saying when the update could not be used."""
+        params, way = self.base(round_)
+        if way.startswith("checkpoint:"):
+            log.warning("%s learner %s: round %d from the %s", self.run, self.learner, round_, way)
+        return params
 
     def rebase_offer(self, current: list[int]):
         """For run_phase: a round newer than current[0] (and still part of the run), once."""
@@ -156,9 +194,11 @@ class LearnerSession:
 
         return should_stop
 
-    def io_totals(self) -> tuple[int, int]:
+    def io_totals(self) -> dict[str, int]:
+        """Bytes this process moved so far; global reads alone are what crossed regions downwards."""
         g, r = self.global_store.io, self.regional_store.io
-        return g.bytes_read + r.bytes_read, g.bytes_written + r.bytes_written
+        return {"io_read": g.bytes_read + r.bytes_read, "io_read_global": g.bytes_read,
+                "io_written": g.bytes_written + r.bytes_written}
 
 
 @task(name="train-phase", cache_policy=NO_CACHE, task_run_name="{session.learner}/phase-{phase}")
@@ -178,12 +218,11 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         log.info("%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase)
         return {"phase": phase, "steps": 0}
     store = session.regional_store
-    io_read, io_written = session.io_totals()
     meta = {
         "run": session.run, "learner": session.learner, "region": session.region, "phase": phase,
         "base_round": base_round, "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
         "seconds": f"{result.seconds:.3f}", "finished_at": f"{time.time():.3f}",
-        "io_read": io_read, "io_written": io_written,
+        **session.io_totals(),
     }
     # Error feedback: what the codec drops now rides along with the next delta.
     wire, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)

@@ -76,12 +76,14 @@ def test_learner_writes_its_own_region_and_reads_the_global_bucket(credentials):
     assert learner_north.put_if_absent(f"runs/{RUN}/deltas/north-0/000000.safetensors", b"delta")
     assert learner_north.put_if_absent(f"runs/{RUN}/learners/north-0/state-000000.safetensors", b"state")
     learner_north.delete(f"runs/{RUN}/learners/north-0/state-000000.safetensors")
+    assert learner_north.put_if_absent(f"runs/{RUN}/cache/000000/model-0123456789abcdef.safetensors", b"copy")
     assert store(credentials, "learner", "global").get(f"runs/{RUN}/rounds/000000/manifest.json") == b"{}"
 
 
 @pytest.mark.parametrize("bucket, key", [
     ("global", f"runs/{RUN}/rounds/000001/manifest.json"),
     ("south", f"runs/{RUN}/deltas/south-0/000000.safetensors"),
+    ("south", f"runs/{RUN}/cache/000000/model-0123456789abcdef.safetensors"),
     ("north", "runs/other-run/deltas/north-0/000000.safetensors"),
 ])
 def test_learner_is_refused_outside_its_region_and_run(credentials, bucket, key):
