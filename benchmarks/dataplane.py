@@ -95,6 +95,7 @@ def measure(k: int, refs: dict, s3_url: str) -> dict:
     new_model, new_momentum, _, _ = apply_merge(state, arrivals, merge_rule(state))
     written = [put_tensors(stores.global_, lambda sha: layout.model_key(run, 1, sha), new_model, {"run": run}),
                put_tensors(stores.global_, lambda sha: layout.outer_key(run, 1, sha), new_momentum, {"run": run})]
+    state.drop_spool()
     t2 = time.perf_counter()
     peak = vm("VmHWM")
     bodies = [stores.global_.get(w.key) for w in written]

@@ -15,10 +15,10 @@ from prefect.cache_policies import NO_CACHE
 from storage.manifest import Contribution, Excluded
 from tasks.collect import Arrival, Collected
 from tasks.data import evaluate
-from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
-from tasks.model import build_model
+from tasks.merge import Candidate, MergeRule, merge_tensor_, plan_merge
+from tasks.model import GPT, PRESETS
 from tasks.round_state import RoundState
-from tasks.validate import global_norm, norm_outliers
+from tasks.validate import norm_outliers
 
 
 class RoundFailed(RuntimeError):
@@ -43,21 +43,32 @@ def merge_rule(state: RoundState) -> MergeRule:
 
 
 def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
-    """θ_r and momentum from the arrivals, plus the weights used (pure given its inputs)."""
+    """θ_r and momentum from the arrivals, plus the weights used.
+
+    Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
+    stepped into the round state's θ and momentum in place, so memory holds θ, the momentum and
+    one tensor of each delta, however many deltas there are."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
     if not weighted:
         return None, None, weighted, dropped
     by_id = {(a.learner, a.phase): a for a in arrivals}
-    used = [by_id[(w.candidate.learner, w.candidate.phase)].tensors for w in weighted]
-    model, momentum = merge_round(state.model, state.momentum, used, [w.weight for w in weighted], rule)
-    return model, momentum, weighted, dropped
+    files = [by_id[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
+    weights = [w.weight for w in weighted]
+    momentum = state.momentum if state.momentum is not None else {}
+    for name, param in state.model.items():
+        _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
+    state.momentum = momentum
+    return state.model, momentum, weighted, dropped
 
 
 def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
-    model = build_model(state.config.model, state.config.seed)
-    model.load_state_dict(params)
+    """Held-out loss of θ_r; the model is built without weights and takes θ_r's tensors as its
+    own, so θ is not copied."""
+    with torch.device("meta"):
+        model = GPT(PRESETS[state.config.model])
+    model.load_state_dict(params, assign=True)
     return evaluate(model, state.eval_batches())
 
 
@@ -65,7 +76,7 @@ def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
 def merge(state: RoundState, collected: Collected) -> Merged:
     log = get_run_logger()
     rule = merge_rule(state)
-    outliers = norm_outliers({a.key: global_norm(a.tensors) for a in collected.arrivals})
+    outliers = norm_outliers({a.key: a.norm for a in collected.arrivals})
     excluded = list(collected.quarantined)
     arrivals = []
     for a in collected.arrivals:
