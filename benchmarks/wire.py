@@ -78,21 +78,24 @@ def run(quick: bool) -> Result:
     res = Result("wire", settings={"learners": b.learners, "model": heldout.PRESET, "ring": "2(K-1)/K x fp32 gradient, "
                                    "sent and as many received, per worker per step"})
     fp32 = decoupled_spec(quick, h10)
-    int4 = replace(fp32, name=fp32.name + "i4", codec="int4")
+    # "With the int4 codec": int4 deltas up and int4 updates down; fp32 deltas go with the default update codec.
+    int4 = replace(fp32, name=fp32.name + "i4", codec="int4", update_codec="int4")
     runs = [("fp32", fp32, 15), ("int4", int4, 100)]
     if h50 != h10:  # bytes per token need no full budget: a third of the rounds (--quick has one H)
         long = decoupled_spec(quick, h50)
-        runs.append(("int4", replace(long, name=f"w{h50}i4", codec="int4", rounds=max(2, long.rounds // 3)), 500))
+        runs.append(("int4", replace(long, name=f"w{h50}i4", codec="int4", update_codec="int4",
+                                     rounds=max(2, long.rounds // 3)), 500))
     for label, spec, bar in runs:
         r, upload_only, facts = ratio(pipeline.run(spec), b.learners)
         res.raw[f"{label}_h{spec.inner_steps}"] = {**facts, "run": pipeline.run(spec).run_id}
-        res.rows.append(at_least(f"wire: ring all-reduce / ours per token, H={spec.inner_steps} {label}", r, bar, limit(upload_only, facts)))
+        res.rows.append(at_least(f"wire: ring all-reduce / ours per token, H={spec.inner_steps}, {label} deltas, "
+                                 f"{spec.update_codec} updates", r, bar, limit(upload_only, facts)))
     loss32, f32 = at_budget(fp32, b.tokens)
     loss4, f4 = at_budget(int4, b.tokens)
     res.raw["loss_fp32_h%d" % h10], res.raw["loss_int4_h%d" % h10] = {"loss": loss32, **f32}, {"loss": loss4, **f4}
     res.rows.insert(2, at_most(f"wire: held-out loss int4 / fp32, H={h10}", loss4 / loss32, INT4_LOSS_BAR,
-                               "int4 deltas without error feedback in the learner yet (tasks.compress has it; "
-                               "train_phase does not call it)"))
+                               "int4 both ways, with error feedback on both sides: what is left is the "
+                               "quantization noise of the most recent steps at this budget"))
     return res
 
 

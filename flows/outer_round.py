@@ -61,13 +61,16 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     if state.round != round:
         raise RuntimeError(f"{run_id}: round {round} cannot be published before round {state.round}")
     t1 = time.perf_counter()
-    collected = collect(state)
-    crash_point("collect.done", round)
-    t2 = time.perf_counter()
-    merged = merge(state, collected)
-    t3 = time.perf_counter()
-    timings = {"load_s": round_s(t1 - t0), "collect_s": round_s(t2 - t1), "merge_s": round_s(t3 - t2)}
-    published = publish(state, collected, merged, timings)
+    try:
+        collected = collect(state)
+        crash_point("collect.done", round)
+        t2 = time.perf_counter()
+        merged = merge(state, collected)
+        t3 = time.perf_counter()
+        timings = {"load_s": round_s(t1 - t0), "collect_s": round_s(t2 - t1), "merge_s": round_s(t3 - t2)}
+        published = publish(state, collected, merged, timings)
+    finally:
+        state.drop_spool()
     manifest_url = f"{stores.global_.url}/{layout.manifest_key(run_id, round)}"
     publish_round_artifacts(published.manifest, manifest_url)
     return {**summarize(published.manifest), "outcome": published.outcome}

@@ -14,16 +14,21 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
-from tasks.compress import CODECS, from_wire, to_wire
+from storage.store import CHUNK_BYTES
+from tasks.compress import CODECS, decode_one, from_wire, to_wire, wire_plan
 
 MAX_HEADER_BYTES = 16 * 2**20
 BODY_SHA256 = "body_sha256"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT_DTYPES = {"F64", "F32", "BF16", "F16"}
 
 
 class CodecError(ValueError):
@@ -54,13 +59,18 @@ def canonical(data: bytes) -> bytes:
     even where a learner's delta has no other checksum.
     """
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
+    return canonical_header(data[8 : 8 + n], hashlib.sha256(memoryview(data)[8 + n :]).hexdigest()) + data[8 + n :]
+
+
+def canonical_header(header_json: bytes, body_sha256: str) -> bytes:
+    """The length prefix and canonical header that `canonical` puts before the tensor bytes."""
+    header = json.loads(header_json)
     meta = header.pop("__metadata__", None) or {}
-    meta[BODY_SHA256] = hashlib.sha256(data[8 + n :]).hexdigest()
+    meta[BODY_SHA256] = body_sha256
     ordered = {"__metadata__": dict(sorted(meta.items()))} | header
     text = json.dumps(ordered, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + data[8 + n :]
+    return struct.pack("<Q", len(text)) + text
 
 
 def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict[str, str]]:
@@ -111,11 +121,14 @@ def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict
 
 def check_body(data: bytes, metadata: dict[str, str]) -> None:
     """The tensor bytes must match the sha256 the writer recorded (when it recorded one)."""
+    if BODY_SHA256 in metadata:
+        (n,) = struct.unpack("<Q", data[:8])
+        check_body_sha256(metadata, hashlib.sha256(memoryview(data)[8 + n :]).hexdigest())
+
+
+def check_body_sha256(metadata: dict[str, str], body_sha256: str) -> None:
     expected = metadata.get(BODY_SHA256)
-    if expected is None:
-        return
-    (n,) = struct.unpack("<Q", data[:8])
-    if hashlib.sha256(data[8 + n :]).hexdigest() != expected:
+    if expected is not None and body_sha256 != expected:
         raise CodecError("tensor bytes do not match the body_sha256 in the header (corrupted in storage or transit)")
 
 
@@ -141,3 +154,75 @@ def encode_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | No
 def decode_state(data: bytes) -> dict[str, torch.Tensor]:
     check_body(data, read_header(data)[1])
     return st_load(data)
+
+
+def encode_state_file(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: Path) -> str:
+    """Write `encode_state`'s very bytes to `path` without holding them in memory; their sha256.
+
+    safetensors writes straight from the tensors' memory; the canonical header then replaces
+    its own while the tensor bytes are copied over in chunks."""
+    raw = path.with_name(path.name + ".raw")
+    st_save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, raw, metadata=metadata or None)
+    try:
+        with open(raw, "rb") as src, open(path, "wb") as dst:
+            (n,) = struct.unpack("<Q", src.read(8))
+            header_json = src.read(n)
+            body = hashlib.sha256()
+            while chunk := src.read(CHUNK_BYTES):
+                body.update(chunk)
+            head = canonical_header(header_json, body.hexdigest())
+            whole = hashlib.sha256(head)
+            dst.write(head)
+            src.seek(8 + n)
+            while chunk := src.read(CHUNK_BYTES):
+                whole.update(chunk)
+                dst.write(chunk)
+    finally:
+        raw.unlink()
+    return whole.hexdigest()
+
+
+class TensorFile:
+    """A safetensors file on local disk whose header, body hash and wire layout have been
+    checked; its tensors are parsed by safetensors one at a time.
+
+    Each read maps the file afresh and lets go of it: a mapping kept open keeps every page it
+    touched resident, so reading K files side by side would hold K files in memory."""
+
+    def __init__(self, path: Path, body_sha256: str):
+        self.path = path
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(0)
+            head = fh.read(8)
+            rest = fh.read(min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES)) if len(head) == 8 else b""
+        table, self.metadata = read_header(head + rest, object_size=size)
+        check_body_sha256(self.metadata, body_sha256)
+        self.codec = self.metadata.get("codec", "fp32")
+        try:
+            self.plan = wire_plan({name: info["dtype"] in _FLOAT_DTYPES for name, info in table.items()}, self.codec)
+            with safe_open(path, framework="pt"):
+                pass
+        except ValueError as exc:
+            raise CodecError(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise CodecError(f"safetensors refused the bytes: {exc}") from exc
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the decoded tensors (the model's names, whatever the codec)."""
+        return list(self.plan)
+
+    def decoded(self, name: str) -> torch.Tensor:
+        """One tensor as `decode` gives it: floats as float32, whatever the codec."""
+        with safe_open(self.path, framework="pt") as fh:
+            parts = [fh.get_tensor(p) for p in self.plan[name]]
+        try:
+            return decode_one(name, parts, self.codec)
+        except ValueError as exc:
+            raise CodecError(str(exc)) from exc
+
+    def stored(self, name: str) -> torch.Tensor:
+        """One tensor exactly as stored, in memory of its own (for checkpoints and states)."""
+        with safe_open(self.path, framework="pt") as fh:
+            return fh.get_tensor(name).clone()

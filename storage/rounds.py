@@ -7,12 +7,15 @@ sha256 checked, so a reader never trains on or merges bytes that were not commit
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import torch
 
 from storage import layout
-from storage.codec import MAX_HEADER_BYTES, decode_state, encode_state, encode_wire, read_header
+from storage.codec import MAX_HEADER_BYTES, TensorFile, encode_state_file, encode_wire, read_header
 from storage.manifest import EncodedRef, Manifest, ObjectRef
+from storage.spool import spool
 from storage.store import IntegrityError, ObjectStore, sha256_hex
 
 
@@ -44,12 +47,16 @@ def read_chain(store: ObjectStore, run: str) -> list[tuple[Manifest, str]]:
 
 
 def put_tensors(store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> ObjectRef:
-    """Write exact tensors under a content-addressed key; a retry finds the same bytes there."""
-    data = encode_state(tensors, metadata)
-    sha = sha256_hex(data)
-    key = key_for_sha(sha)
-    store.put_or_verify(key, data)
-    return ObjectRef(key=key, sha256=sha, bytes=len(data))
+    """Write exact tensors under a content-addressed key; a retry finds the same bytes there.
+
+    The object is encoded into a temporary file and uploaded from it, so its bytes never sit in
+    memory beside the tensors they were made from."""
+    with tempfile.TemporaryDirectory(prefix="islands-put-") as tmp:
+        path = Path(tmp) / "object.safetensors"
+        sha = encode_state_file(tensors, metadata, path)
+        key = key_for_sha(sha)
+        store.put_or_verify(key, path, sha256=sha)
+        return ObjectRef(key=key, sha256=sha, bytes=path.stat().st_size)
 
 
 def checkpoint_metadata(run: str, round_: int) -> dict[str, str]:
@@ -68,7 +75,14 @@ def put_update(store: ObjectStore, run: str, round_: int, wire: dict[str, torch.
 
 
 def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:
-    return decode_state(store.get(ref.key, sha256=ref.sha256))
+    """The tensors of a committed object, its sha256 checked; read through a temporary file so
+    the object's bytes and its tensors are never both in memory."""
+    with tempfile.TemporaryDirectory(prefix="islands-get-") as tmp:
+        got = spool(store, ref.key, Path(tmp) / "object.safetensors")
+        if got.sha256 != ref.sha256:
+            raise IntegrityError(f"{store.url}/{ref.key}: sha256 {got.sha256[:12]}… ≠ expected {ref.sha256[:12]}…")
+        stored = TensorFile(got.path, got.body_sha256)
+        return {name: stored.stored(name) for name in stored.names}
 
 
 def read_config(store: ObjectStore, run: str) -> dict:

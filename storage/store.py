@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
 
+CHUNK_BYTES = 16 * 2**20  # one ranged read or copied block of a large object
 _MEMORY_LOCK = threading.Lock()
 _COUNTERS: dict[str, "IOCounters"] = {}
 
@@ -35,6 +38,14 @@ class IntegrityError(StoreError):
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass
@@ -93,19 +104,24 @@ class ObjectStore:
             ) from exc
 
     # -- writes ---------------------------------------------------------------------------
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Write `data` at `key` unless something is there. True if this call wrote it."""
+    def put_if_absent(self, key: str, data: bytes | Path) -> bool:
+        """Write `data` (bytes, or a local file's contents) at `key` unless something is there.
+        True if this call wrote it. A file is uploaded from disk, in parts when it is large."""
         path = self._path(key)
+        size = data.stat().st_size if isinstance(data, Path) else len(data)
         if self.protocol == "file":
             written = self._link_if_absent(path, data)
         elif self.protocol == "memory":
             with _MEMORY_LOCK:
                 written = not self.fs.exists(path)
                 if written:
-                    self.fs.pipe_file(path, data)
+                    self.fs.pipe_file(path, data.read_bytes() if isinstance(data, Path) else data)
         else:
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                if isinstance(data, Path):
+                    self.fs.put_file(str(data), path, mode="create")
+                else:
+                    self.fs.pipe_file(path, data, mode="create")
                 written = True
             except FileExistsError:
                 written = False
@@ -116,16 +132,20 @@ class ObjectStore:
                     raise
         self.io.puts += 1
         if written:
-            self.io.bytes_written += len(data)
+            self.io.bytes_written += size
         return written
 
-    def _link_if_absent(self, path: str, data: bytes) -> bool:
+    def _link_if_absent(self, path: str, data: bytes | Path) -> bool:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
+                if isinstance(data, Path):
+                    with open(data, "rb") as src:
+                        shutil.copyfileobj(src, fh, CHUNK_BYTES)
+                else:
+                    fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.link(tmp, target)
@@ -135,12 +155,16 @@ class ObjectStore:
         finally:
             os.unlink(tmp)
 
-    def put_or_verify(self, key: str, data: bytes) -> bool:
-        """Put-if-absent; if the key exists it must hold these very bytes (idempotent retry)."""
+    def put_or_verify(self, key: str, data: bytes | Path, sha256: str | None = None) -> bool:
+        """Put-if-absent; if the key exists it must hold these very bytes (idempotent retry).
+        `sha256` is the data's own, when the caller has it already."""
         if self.put_if_absent(key, data):
             return True
-        existing = self.get(key)
-        if sha256_hex(existing) != sha256_hex(data):
+        expected = sha256 or (file_sha256(data) if isinstance(data, Path) else sha256_hex(data))
+        existing = hashlib.sha256()
+        for chunk in self.get_chunks(key):
+            existing.update(chunk)
+        if existing.hexdigest() != expected:
             raise IntegrityError(f"{self.url}/{key} exists with different content")
         return False
 
@@ -167,6 +191,29 @@ class ObjectStore:
         if sha256 is not None and sha256_hex(data) != sha256:
             raise IntegrityError(f"{self.url}/{key}: sha256 {sha256_hex(data)[:12]}… ≠ expected {sha256[:12]}…")
         return data
+
+    def get_chunks(self, key: str, max_bytes: int | None = None) -> Iterator[bytes]:
+        """An object's bytes in order, CHUNK_BYTES at a time (one ranged read each), so a large
+        object is never whole in memory; refuses one over `max_bytes` before and while reading."""
+        if max_bytes is not None:
+            size = self.size(key)
+            if size is None:
+                raise ObjectMissing(f"{self.url}/{key} does not exist")
+            if size > max_bytes:
+                raise IntegrityError(f"{self.url}/{key} is {size} bytes, over the {max_bytes} limit")
+        try:
+            fh = self.fs.open(self._path(key), "rb", block_size=CHUNK_BYTES, cache_type="none")
+        except FileNotFoundError as exc:
+            raise ObjectMissing(f"{self.url}/{key} does not exist") from exc
+        self.io.gets += 1
+        with fh:
+            read = 0
+            while chunk := fh.read(CHUNK_BYTES):
+                read += len(chunk)
+                self.io.bytes_read += len(chunk)
+                if max_bytes is not None and read > max_bytes:
+                    raise IntegrityError(f"{self.url}/{key} grew past the {max_bytes} limit while being read")
+                yield chunk
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object: headers are read before whole bodies."""

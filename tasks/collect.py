@@ -1,26 +1,30 @@
 """Collect: watch the regional buckets until the quorum policy closes the round.
 
-Each new delta is read once, size-checked before its bytes are fetched, hashed, parsed only by
-safetensors, and judged by `tasks.validate`; a bad one is quarantined with its reason, never
-merged and never looked at again. Listing only discovers; the consumed set comes from manifests.
+Each new delta is read once, size-checked before its bytes are fetched, streamed to the round's
+spool directory while it is hashed, parsed only by safetensors one tensor at a time, and judged
+by `tasks.validate`; a bad one is quarantined with its reason, never merged and never looked at
+again. A good one stays on local disk until the merge, so memory does not grow with the number of
+deltas. Listing only discovers; the consumed set comes from manifests.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from storage import layout
-from storage.codec import CodecError, decode
+from storage.codec import CodecError, TensorFile
 from storage.manifest import Excluded
-from storage.store import IntegrityError, ObjectMissing, sha256_hex
+from storage.spool import spool
+from storage.store import IntegrityError, ObjectMissing
 from tasks.quorum import Decision, decide
 from tasks.round_state import RoundState
-from tasks.validate import check_metadata, check_tensors
+from tasks.validate import check_metadata, check_names, check_tensor, global_norm
 
 
 @dataclass
@@ -38,7 +42,8 @@ class Arrival:
     sha256: str
     seconds: float
     finished_at: float
-    tensors: dict[str, torch.Tensor] = field(repr=False)
+    norm: float  # global L2 norm, for spotting outliers among the round's deltas
+    delta: TensorFile = field(repr=False)  # the checked copy in the round's spool directory
 
 
 @dataclass
@@ -54,7 +59,11 @@ def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Ex
     parsed = layout.parse_delta_key(key)
     owners = {name: r for name, r, _ in state.config.learners()}
 
+    path: Path | None = None  # where the delta is spooled, once it is
+
     def bad(reason: str, **kw) -> Excluded:
+        if path is not None:
+            path.unlink(missing_ok=True)
         return Excluded(kind="quarantined", key=key, reason=reason, region=region, **kw)
 
     if parsed is None:
@@ -64,26 +73,49 @@ def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Ex
         return bad(f"learner {learner!r} does not belong to region {region!r} in this run", learner=learner, phase=phase)
     if size > state.max_delta_bytes():
         return bad(f"oversized: {size} bytes > {state.max_delta_bytes()}", learner=learner, phase=phase)
+    path = state.spool_dir / f"{region}.{learner}.{phase:06d}.safetensors"
     try:
-        data = state.stores.region(region).get(key, max_bytes=state.max_delta_bytes())
+        got = spool(state.stores.region(region), key, path, max_bytes=state.max_delta_bytes())
     except (ObjectMissing, IntegrityError) as exc:
         return bad(f"unreadable: {exc}", learner=learner, phase=phase)
-    sha = sha256_hex(data)
+    sha = got.sha256
     dup = state.consumed_shas.get(sha)
     if dup is not None:
         return bad(f"duplicate of consumed delta {dup}", learner=learner, phase=phase, sha256=sha)
     try:
-        tensors, meta = decode(data)
+        delta = TensorFile(path, got.body_sha256)
     except CodecError as exc:
         return bad(str(exc), learner=learner, phase=phase, sha256=sha)
-    reason = check_metadata(meta, state.run, learner, phase, state.round - 1) or check_tensors(tensors, state.model)
+    meta = delta.metadata
+    reason, norm = check_metadata(meta, state.run, learner, phase, state.round - 1), 0.0
+    if not reason:
+        reason, norm = check_delta(delta, state.model)
     if reason:
         return bad(reason, learner=learner, phase=phase, sha256=sha, tokens=_int(meta.get("tokens")))
     return Arrival(
         key=key, learner=learner, region=region, phase=phase, base_round=int(meta["base_round"]),
-        tokens=int(meta["tokens"]), loss=float(meta["loss"]), bytes=len(data), sha256=sha,
-        seconds=float(meta.get("seconds", 0.0)), finished_at=float(meta.get("finished_at", time.time())), tensors=tensors,
+        tokens=int(meta["tokens"]), loss=float(meta["loss"]), bytes=got.bytes, sha256=sha,
+        seconds=float(meta.get("seconds", 0.0)), finished_at=float(meta.get("finished_at", time.time())),
+        norm=norm, delta=delta,
     )
+
+
+def check_delta(delta: TensorFile, model: dict[str, torch.Tensor]) -> tuple[str | None, float]:
+    """(reason or None, global norm): every tensor decoded and checked against the model's, one
+    at a time; a tensor the codec cannot decode is refused with the codec's reason."""
+    reason = check_names(delta.names, model)
+    if reason:
+        return reason, 0.0
+    norms = []
+    for name, ref in model.items():
+        try:
+            reason, norm = check_tensor(name, delta.decoded(name), ref)
+        except CodecError as exc:
+            return str(exc), 0.0
+        if reason:
+            return reason, 0.0
+        norms.append(norm)
+    return None, global_norm(norms)
 
 
 def _int(value: str | None) -> int:

@@ -94,34 +94,50 @@ def to_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Ten
     return out
 
 
-def from_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
-    """float32 tensors back from the wire form; raises ValueError naming the bad tensor."""
+def wire_plan(wire_floats: dict[str, bool], codec: str) -> dict[str, tuple[str, ...]]:
+    """Each decoded tensor's name and the wire tensors it is made from, given which wire tensors
+    are floating point; raises ValueError naming the bad tensor. Needs no tensor data, so a
+    reader can check the whole layout first and then decode one tensor at a time."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r} in the metadata; this reader knows {', '.join(CODECS)}")
     if codec in FLOAT_WIRE:
-        return {k: (v.float() if v.is_floating_point() else v) for k, v in wire.items()}
-    out: dict[str, torch.Tensor] = {}
-    bases = {k[: -len(".q")] for k in wire if k.endswith(".q")}
-    for name, t in wire.items():
+        return {name: (name,) for name in wire_floats}
+    plan: dict[str, tuple[str, ...]] = {}
+    bases = {k[: -len(".q")] for k in wire_floats if k.endswith(".q")}
+    for name, is_float in wire_floats.items():
         base = next((name[: -len(p)] for p in PARTS if name.endswith(p)), None)
         if base is None:
-            if t.is_floating_point():
+            if is_float:
                 raise ValueError(f"tensor {name!r}: a float tensor outside the {codec} wire form")
-            out[name] = t
+            plan[name] = (name,)
         elif base not in bases:
             raise ValueError(f"tensor {name!r}: no {base}.q to go with it")
     for base in sorted(bases):
-        missing = [base + p for p in PARTS if base + p not in wire]
+        missing = [base + p for p in PARTS if base + p not in wire_floats]
         if missing:
             raise ValueError(f"tensor {base!r}: missing {', '.join(missing)}")
-        shape = wire[base + ".shape"]
-        if shape.dtype != torch.int64 or shape.dim() != 1:
-            raise ValueError(f"tensor {base!r}: .shape must be a 1-D int64 tensor")
-        try:
-            out[base] = dequantize(wire[base + ".q"], wire[base + ".scale"], shape.tolist(), BITS[codec])
-        except ValueError as exc:
-            raise ValueError(f"tensor {base!r}: {exc}") from exc
-    return out
+        plan[base] = tuple(base + p for p in PARTS)
+    return plan
+
+
+def decode_one(name: str, parts: list[torch.Tensor], codec: str) -> torch.Tensor:
+    """One tensor back from its wire parts (in `wire_plan`'s order): float32 when it is a float."""
+    if len(parts) == 1:
+        t = parts[0]
+        return t.float() if t.is_floating_point() else t
+    q, scale, shape = parts
+    if shape.dtype != torch.int64 or shape.dim() != 1:
+        raise ValueError(f"tensor {name!r}: .shape must be a 1-D int64 tensor")
+    try:
+        return dequantize(q, scale, shape.tolist(), BITS[codec])
+    except ValueError as exc:
+        raise ValueError(f"tensor {name!r}: {exc}") from exc
+
+
+def from_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    """float32 tensors back from the wire form; raises ValueError naming the bad tensor."""
+    plan = wire_plan({k: v.is_floating_point() for k, v in wire.items()}, codec)
+    return {name: decode_one(name, [wire[p] for p in parts], codec) for name, parts in plan.items()}
 
 
 def compress_with_feedback(

@@ -10,6 +10,7 @@ error-feedback residual and added to the next round's update, so it is delayed, 
 """
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -101,20 +102,30 @@ def plan_merge(
     return sorted(weighted, key=order), sorted(dropped, key=order)
 
 
-def weighted_average(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """Σ w_i·g_i / Σ w_i for one tensor, summed in float64 in the order given, returned as float32."""
-    if not tensors or len(tensors) != len(weights):
-        raise ValueError(f"need one weight per tensor and at least one of each, got {len(tensors)} and {len(weights)}")
+def weighted_average(tensors: Iterable[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Σ w_i·g_i / Σ w_i for one tensor, summed in float64 in the order given, returned as float32.
+
+    `tensors` may be lazy (decoded as they are needed): only the float64 sum is held."""
+    if not weights:
+        raise ValueError("need one weight per tensor and at least one of each, got no weights")
     total = 0.0
     for w in weights:  # left to right on purpose: Python 3.12's sum() compensates and would change bits
         total += w
     if not total > 0:
         raise ValueError(f"weights must sum to a positive number, got {total}")
-    acc = torch.zeros(tensors[0].shape, dtype=torch.float64, device=tensors[0].device)
-    for tensor, w in zip(tensors, weights):
-        if tensor.shape != acc.shape:
+    given = iter(tensors)
+    acc = None
+    for i, w in enumerate(weights):
+        tensor = next(given, None)
+        if tensor is None:
+            raise ValueError(f"need one weight per tensor and at least one of each, got {i} and {len(weights)}")
+        if acc is None:
+            acc = torch.zeros(tensor.shape, dtype=torch.float64, device=tensor.device)
+        elif tensor.shape != acc.shape:
             raise ValueError(f"cannot average tensors of shapes {tuple(acc.shape)} and {tuple(tensor.shape)}")
-        acc.add_(tensor.to(torch.float64), alpha=w)
+        acc.add_(tensor, alpha=w)  # promoted to float64 element by element: no float64 copy of the tensor
+    if next(given, None) is not None:
+        raise ValueError(f"need one weight per tensor and at least one of each, got more than {len(weights)} tensors")
     return (acc / total).to(torch.float32)
 
 
@@ -126,8 +137,32 @@ def outer_step(
     The same operations as torch.optim.SGD(nesterov=True, dampening=0), so it matches it exactly:
     m ← μ·m + Δ (m = Δ on the first step);  θ ← θ − lr·(Δ + μ·m).
     """
-    new_momentum = delta.clone() if momentum is None else momentum.mul(mu).add(delta)
-    return param.add(delta.add(new_momentum, alpha=mu), alpha=-lr), new_momentum
+    return outer_step_(param.clone(), None if momentum is None else momentum.clone(), delta, lr, mu)
+
+
+def outer_step_(
+    param: torch.Tensor, momentum: torch.Tensor | None, delta: torch.Tensor, lr: float, mu: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`outer_step` in place: `param` and `momentum` (a new one on the first step) are updated and
+    returned, so a synchronizer holding θ and m needs no second copy of either."""
+    if momentum is None:
+        momentum = delta.clone()
+    else:
+        momentum.mul_(mu).add_(delta)
+    param.add_(delta.add(momentum, alpha=mu), alpha=-lr)
+    return param, momentum
+
+
+def merge_tensor_(
+    param: torch.Tensor,
+    momentum: torch.Tensor | None,
+    deltas: Iterable[torch.Tensor],
+    weights: list[float],
+    rule: MergeRule,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One parameter of a round, in place: the weighted average of its deltas, then the outer
+    step. Whole-model merges and the synchronizer's tensor-by-tensor merge both come here."""
+    return outer_step_(param, momentum, weighted_average(deltas, weights), rule.outer_lr, rule.outer_momentum)
 
 
 def merge_round(
@@ -137,16 +172,16 @@ def merge_round(
     weights: list[float],
     rule: MergeRule,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """θ_r and the new momentum from the parent's θ and momentum and the weighted deltas.
+    """θ_r and the new momentum from the parent's θ and momentum and the weighted deltas (inputs
+    left as they are).
 
-    The one place the synchronizer and `islands audit --replay` compute a round, so a replay
-    reproduces the published bits.
+    The same per-tensor step as the synchronizer's, so `islands audit --replay` reproduces the
+    published bits.
     """
     model, new_momentum = {}, {}
     for name, param in params.items():
-        delta = weighted_average([d[name] for d in deltas], weights)
-        prev = momentum[name] if momentum is not None else None
-        model[name], new_momentum[name] = outer_step(param, prev, delta, rule.outer_lr, rule.outer_momentum)
+        prev = momentum[name].clone() if momentum is not None else None
+        model[name], new_momentum[name] = merge_tensor_(param.clone(), prev, (d[name] for d in deltas), weights, rule)
     return model, new_momentum
 
 
@@ -160,6 +195,19 @@ def encode_update(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the update's wire tensors, θ_r as readers rebuild it, the new residual) for a step from
     `params` towards `target` (merge_round's θ), carrying the previous round's `residual`."""
-    step = {name: target[name] - param for name, param in params.items()}
-    wire, new_residual = compress_with_feedback(step, residual, codec)
-    return wire, apply_update(params, from_wire(wire, codec)), new_residual
+    wire, rebuilt, new_residual = {}, {}, {}
+    for name, param in params.items():
+        parts, rebuilt[name], left = encode_update_tensor(name, param, target[name], residual, codec)
+        wire.update(parts)
+        new_residual.update(left)
+    return wire, rebuilt, new_residual
+
+
+def encode_update_tensor(
+    name: str, param: torch.Tensor, target: torch.Tensor, residual: dict[str, torch.Tensor], codec: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    """One tensor of `encode_update` (the synchronizer's merge calls it tensor by tensor): its wire
+    entries, its θ_r as `apply_update` rebuilds it, its part of the new residual."""
+    carried = {name: residual[name]} if name in residual else {}
+    wire, left = compress_with_feedback({name: target - param}, carried, codec)
+    return wire, param.add(from_wire(wire, codec)[name]), left

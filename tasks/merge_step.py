@@ -15,10 +15,10 @@ from prefect.cache_policies import NO_CACHE
 from storage.manifest import Contribution, Excluded
 from tasks.collect import Arrival, Collected
 from tasks.data import evaluate
-from tasks.merge import Candidate, MergeRule, encode_update, merge_round, plan_merge
-from tasks.model import build_model
+from tasks.merge import Candidate, MergeRule, encode_update_tensor, merge_tensor_, plan_merge
+from tasks.model import GPT, PRESETS
 from tasks.round_state import RoundState
-from tasks.validate import global_norm, norm_outliers
+from tasks.validate import norm_outliers
 
 
 class RoundFailed(RuntimeError):
@@ -45,21 +45,40 @@ def merge_rule(state: RoundState) -> MergeRule:
 
 
 def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
-    """θ_r and momentum from the arrivals, plus the weights used (pure given its inputs)."""
+    """(θ_r, momentum, the encoded update, the update codec's residual, weighted, dropped).
+
+    Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
+    stepped into the round state's θ and momentum in place, then the step is encoded with the
+    update codec and θ_r becomes θ_{r−1} + the decoded step (tasks.merge.encode_update), so memory
+    holds θ, the momentum, the update and its residual, and one tensor of each delta, however
+    many deltas there are."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
     if not weighted:
-        return None, None, weighted, dropped
+        return None, None, None, None, weighted, dropped
     by_id = {(a.learner, a.phase): a for a in arrivals}
-    used = [by_id[(w.candidate.learner, w.candidate.phase)].tensors for w in weighted]
-    model, momentum = merge_round(state.model, state.momentum, used, [w.weight for w in weighted], rule)
-    return model, momentum, weighted, dropped
+    files = [by_id[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
+    weights = [w.weight for w in weighted]
+    momentum = state.momentum if state.momentum is not None else {}
+    update, residual = {}, {}
+    for name, param in state.model.items():
+        parent = param.clone()
+        _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
+        wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, state.config.update_codec)
+        param.copy_(rebuilt)
+        update.update(wire)
+        residual.update(left)
+    state.momentum = momentum
+    return state.model, momentum, update, residual, weighted, dropped
 
 
 def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
-    model = build_model(state.config.model, state.config.seed)
-    model.load_state_dict(params)
+    """Held-out loss of θ_r; the model is built without weights and takes θ_r's tensors as its
+    own, so θ is not copied."""
+    with torch.device("meta"):
+        model = GPT(PRESETS[state.config.model])
+    model.load_state_dict(params, assign=True)
     return evaluate(model, state.eval_batches())
 
 
@@ -67,7 +86,7 @@ def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
 def merge(state: RoundState, collected: Collected) -> Merged:
     log = get_run_logger()
     rule = merge_rule(state)
-    outliers = norm_outliers({a.key: global_norm(a.tensors) for a in collected.arrivals})
+    outliers = norm_outliers({a.key: a.norm for a in collected.arrivals})
     excluded = list(collected.quarantined)
     arrivals = []
     for a in collected.arrivals:
@@ -76,7 +95,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
                                      region=a.region, phase=a.phase, tokens=a.tokens, sha256=a.sha256))
         else:
             arrivals.append(a)
-    model, momentum, weighted, dropped = apply_merge(state, arrivals, rule)
+    model, momentum, update, residual, weighted, dropped = apply_merge(state, arrivals, rule)
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
@@ -87,7 +106,6 @@ def merge(state: RoundState, collected: Collected) -> Merged:
             f"{state.run} round {state.round}: no valid delta after {collected.waited_s:.0f} s "
             f"({len(excluded)} excluded); check the learners, then `islands resume {state.run}`"
         )
-    update, model, residual = encode_update(state.model, model, state.residual, state.config.update_codec)
     contributions = []
     for w in weighted:
         a = by_id[(w.candidate.learner, w.candidate.phase)]

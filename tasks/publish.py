@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from storage import layout
-from storage.manifest import Manifest, Quorum
+from storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
 from storage.rounds import checkpoint_metadata, put_tensors, put_update, read_manifest
 from storage.store import Stores, sha256_hex
 from tasks.collect import Collected
@@ -78,10 +78,9 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     return commit(stores, manifest)
 
 
-@task(name="publish", cache_policy=NO_CACHE)
-def publish(state: RoundState, collected: Collected, merged: Merged, timings: dict[str, float]) -> Published:
-    log = get_run_logger()
-    t0 = time.perf_counter()
+def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, EncodedRef, ObjectRef]:
+    """θ_r, its encoded update and the outer state under their content addresses: everything of
+    the round but the manifest, which names them."""
     run, r, store = state.run, state.round, state.stores.global_
     meta = checkpoint_metadata(run, r)
     model_ref = put_tensors(store, lambda sha: layout.model_key(run, r, sha), merged.model, meta)
@@ -91,6 +90,15 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
     outer = {**merged.momentum, **residual_state(merged.residual)}
     outer_ref = put_tensors(store, lambda sha: layout.outer_key(run, r, sha), outer, meta)
     crash_point("publish.after_outer", r)
+    return model_ref, update_ref, outer_ref
+
+
+@task(name="publish", cache_policy=NO_CACHE)
+def publish(state: RoundState, collected: Collected, merged: Merged, timings: dict[str, float]) -> Published:
+    log = get_run_logger()
+    t0 = time.perf_counter()
+    run, r = state.run, state.round
+    model_ref, update_ref, outer_ref = write_objects(state, merged)
     parent, parent_sha = state.parent
     manifest = Manifest(
         run=run, round=r, parent_round=parent.round, parent_sha256=parent_sha, created_at=_now(),

@@ -7,9 +7,12 @@ second synchronizer or a retried flow run reaches the same view.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from pathlib import Path
 
 import torch
 
@@ -39,7 +42,7 @@ class RoundState:
     round: int  # the round this synchronizer is about to publish
     stores: Stores
     chain: list[tuple[Manifest, str]]
-    model: dict[str, torch.Tensor]  # θ of the parent round
+    model: dict[str, torch.Tensor]  # θ of the parent round; the merge turns it into θ_r in place
     momentum: dict[str, torch.Tensor] | None
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # what the update codec dropped so far
 
@@ -52,6 +55,16 @@ class RoundState:
         model = get_tensors(stores.global_, parent.model)
         momentum, residual = split_residual(get_tensors(stores.global_, parent.outer)) if parent.outer else (None, {})
         return cls(config, run, parent.round + 1, stores, chain, model, momentum, residual)
+
+    @cached_property
+    def spool_dir(self) -> Path:
+        """Where this round's deltas wait between collect and merge; fresh for every process and
+        every try, so a spooled file is never trusted beyond the process that read it."""
+        return Path(tempfile.mkdtemp(prefix=f"islands-{self.run}-round{self.round:06d}-"))
+
+    def drop_spool(self) -> None:
+        if "spool_dir" in self.__dict__:
+            shutil.rmtree(self.__dict__.pop("spool_dir"), ignore_errors=True)
 
     @property
     def parent(self) -> tuple[Manifest, str]:

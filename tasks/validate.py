@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 
 import torch
 
@@ -40,22 +41,37 @@ def check_metadata(meta: dict[str, str], run: str, learner: str, phase: int, rou
 
 def check_tensors(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> str | None:
     """Same names, shapes and float dtype as the model, all values finite."""
-    if set(tensors) != set(reference):
-        extra, missing = sorted(set(tensors) - set(reference)), sorted(set(reference) - set(tensors))
-        return f"wrong tensor names (unexpected {extra[:3]}, missing {missing[:3]})"
+    reason = check_names(tensors, reference)
     for name, ref in reference.items():
-        t = tensors[name]
-        if tuple(t.shape) != tuple(ref.shape):
-            return f"wrong shape for {name}: {tuple(t.shape)} instead of {tuple(ref.shape)}"
-        if not t.is_floating_point():
-            return f"wrong dtype for {name}: {t.dtype}"
-        if not torch.isfinite(t).all():
-            return f"non-finite values (NaN or Inf) in {name}"
+        reason = reason or check_tensor(name, tensors[name], ref)[0]
+    return reason
+
+
+def check_names(names: Iterable[str], reference: dict[str, torch.Tensor]) -> str | None:
+    """Exactly the model's tensor names."""
+    if set(names) != set(reference):
+        extra, missing = sorted(set(names) - set(reference)), sorted(set(reference) - set(names))
+        return f"wrong tensor names (unexpected {extra[:3]}, missing {missing[:3]})"
     return None
 
 
-def global_norm(tensors: dict[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+def check_tensor(name: str, t: torch.Tensor, ref: torch.Tensor) -> tuple[str | None, float]:
+    """(reason or None, the tensor's L2 norm) for one tensor of a delta: the model's shape, a
+    float dtype, finite values. The norm is taken in float64, where the squares of finite float32
+    values cannot overflow, so it is finite exactly when every value is: one pass does both."""
+    if tuple(t.shape) != tuple(ref.shape):
+        return f"wrong shape for {name}: {tuple(t.shape)} instead of {tuple(ref.shape)}", 0.0
+    if not t.is_floating_point():
+        return f"wrong dtype for {name}: {t.dtype}", 0.0
+    norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+    if not math.isfinite(norm):
+        return f"non-finite values (NaN or Inf) in {name}", norm
+    return None, norm
+
+
+def global_norm(norms: Iterable[float]) -> float:
+    """The L2 norm of a whole delta from its tensors' norms."""
+    return math.sqrt(sum(n * n for n in norms))
 
 
 def norm_outliers(norms: dict[str, float], factor: float = 10.0) -> dict[str, str]:

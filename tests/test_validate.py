@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tasks.validate import REQUIRED_METADATA, check_metadata, check_tensors, global_norm, norm_outliers
+from tasks.validate import REQUIRED_METADATA, check_metadata, check_tensor, check_tensors, global_norm, norm_outliers
 
 RUN, LEARNER, PHASE, ROUND = "run-abc", "us-east-0", 4, 7
 
@@ -120,8 +120,9 @@ def test_non_finite_values(bad):
 # -- norms --------------------------------------------------------------------------------------
 
 def test_global_norm():
-    assert global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}) == 5.0
-    assert math.isclose(global_norm(delta()), 0.01 * math.sqrt(40 + 4 + 12), rel_tol=1e-6)
+    assert global_norm([3.0, 4.0]) == 5.0
+    norms = [check_tensor(name, t, reference()[name])[1] for name, t in delta().items()]
+    assert math.isclose(global_norm(norms), 0.01 * math.sqrt(40 + 4 + 12), rel_tol=1e-6)
 
 
 def test_norm_outliers_need_three():

@@ -1,0 +1,156 @@
+"""The synchronizer's streaming data path: deltas spooled to disk and merged tensor by tensor give
+the same bits as the whole-dict merge, refuse the same hostile bytes with the same reasons, and
+hold one tensor at a time however many deltas there are."""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import pytest
+import torch
+
+from flows.config import RunConfig
+from storage import layout
+from storage.codec import TensorFile, decode, encode, encode_state, encode_wire
+from storage.manifest import Excluded
+from storage.rounds import get_tensors, put_tensors
+from storage.store import Stores, sha256_hex
+from tasks.collect import Arrival, inspect
+from tasks.compress import to_wire
+from tasks.merge import encode_update, merge_round
+from tasks.merge_step import apply_merge, merge_rule
+from tasks.model import build_model
+from tasks.round_state import RoundState
+
+RUN = "stream"
+REGIONS = ["east", "west"]
+
+
+def config(k: int) -> RunConfig:
+    return RunConfig(run_id=RUN, regions=REGIONS, learners_per_region=k // 2, speed={})
+
+
+def params(seed: int, scale: float) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) * scale for k, v in build_model("tiny", 0).state_dict().items()}
+
+
+def meta(learner: str, region: str, phase: int = 0, tokens: int = 1000) -> dict:
+    return {"run": RUN, "learner": learner, "region": region, "phase": phase, "base_round": 0, "inner_steps": 5,
+            "tokens": tokens, "loss": 2.5, "seconds": 1.0, "finished_at": time.time()}
+
+
+def round_state(tmp_path, k: int, codec: str = "fp32"):
+    """θ, momentum and K deltas in file:// buckets; the round state and each delta's bytes."""
+    stores = Stores(f"file://{tmp_path}/{{bucket}}", REGIONS)
+    conf = config(k)
+    written = {}
+    for i, (learner, region, _) in enumerate(conf.learners()):
+        data = encode(params(10 + i, 1e-3), meta(learner, region, tokens=1000 + 100 * i), codec)
+        key = layout.delta_key(RUN, learner, 0)
+        stores.region(region).put_if_absent(key, data)
+        written[(region, key)] = data
+    state = RoundState(conf, RUN, 1, stores, [], params(1, 0.02), params(2, 1e-3))
+    return state, written
+
+
+def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
+    for codec in ("fp32", "int8"):
+        state, written = round_state(tmp_path / codec, 4, codec)
+        parent_model = {k: v.clone() for k, v in state.model.items()}
+        parent_momentum = {k: v.clone() for k, v in state.momentum.items()}
+        arrivals = [inspect(state, region, key, len(data)) for (region, key), data in written.items()]
+        assert all(isinstance(a, Arrival) for a in arrivals), arrivals
+        model, momentum, update, residual, weighted, _ = apply_merge(state, arrivals, merge_rule(state))
+
+        by_learner = {a.learner: decode(written[(a.region, a.key)])[0] for a in arrivals}
+        target, want_momentum = merge_round(
+            parent_model, parent_momentum, [by_learner[w.candidate.learner] for w in weighted],
+            [w.weight for w in weighted], merge_rule(state),
+        )
+        want_update, want_model, want_residual = encode_update(parent_model, target, {}, state.config.update_codec)
+        for name in want_model:
+            assert torch.equal(model[name], want_model[name]), name
+            assert torch.equal(momentum[name], want_momentum[name]), name
+            assert torch.equal(residual[name], want_residual[name]), name
+        assert update.keys() == want_update.keys() and all(torch.equal(update[k], want_update[k]) for k in update)
+        state.drop_spool()
+
+
+def test_checkpoints_written_from_files_are_the_canonical_bytes(tmp_path):
+    stores = Stores(f"file://{tmp_path}/{{bucket}}", [])
+    tensors = {**params(3, 0.02), "step": torch.arange(3), "half": torch.ones(4, dtype=torch.bfloat16)}
+    ref = put_tensors(stores.global_, lambda sha: f"m-{sha[:16]}", tensors, {"run": RUN})
+    expected = encode_state(tensors, {"run": RUN})
+    assert stores.global_.get(ref.key) == expected and ref.sha256 == sha256_hex(expected)
+    assert put_tensors(stores.global_, lambda sha: f"m-{sha[:16]}", tensors, {"run": RUN}) == ref
+    back = get_tensors(stores.global_, ref)
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def _flip_tensor_bytes(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[-100] ^= 0x10
+    return bytes(out)
+
+
+def _hostile() -> dict[str, tuple[bytes, str]]:
+    """Objects for east-0 phases 1…: bytes and the quarantine reason each must get."""
+    honest = params(20, 1e-3)
+    name = sorted(honest)[0]
+    good = lambda phase, tensors=honest, codec="fp32", **m: encode(tensors, {**meta("east-0", "east", phase), **m}, codec)  # noqa: E731
+    int8 = good(6, codec="int8")
+    wire = to_wire(honest, "int8")
+    short_scale = encode_wire({**wire, name + ".scale": torch.ones(1)}, meta("east-0", "east", 7), "int8")
+    return {
+        "truncated": (good(1)[: len(good(1)) // 2], "does not fit the object"),
+        "flipped tensor bytes": (_flip_tensor_bytes(good(2)), "do not match the body_sha256"),
+        "NaN": (good(3, {**honest, name: torch.full(honest[name].shape, float("nan"))}), "non-finite"),
+        "wrong shape": (good(4, {**honest, name: torch.zeros(3, 3)}), "wrong shape"),
+        "wrong run": (good(5, run="other"), "wrong run id"),
+        "unknown codec": (int8.replace(b'"codec":"int8"', b'"codec":"int9"'), "unknown codec"),
+        "int8 scale of the wrong length": (short_scale, "scale must be"),
+    }
+
+
+def test_hostile_deltas_are_quarantined_with_their_reason_and_leave_no_spool_file(tmp_path):
+    state, _ = round_state(tmp_path, 2)
+    store = state.stores.region("east")
+    for phase, (label, (data, reason)) in enumerate(_hostile().items(), start=1):
+        key = layout.delta_key(RUN, "east-0", phase)
+        store.put_if_absent(key, data)
+        got = inspect(state, "east", key, len(data))
+        assert isinstance(got, Excluded) and got.kind == "quarantined", label
+        assert reason in got.reason, (label, got.reason)
+    assert list(state.spool_dir.iterdir()) == []
+    state.drop_spool()
+
+
+def _peak_live_decoded_bytes(tmp_path, k: int, monkeypatch) -> tuple[int, int]:
+    """(most decoded delta bytes alive at once during collect and merge, largest tensor's bytes)."""
+    live, peak = [0], [0]
+    real = TensorFile.decoded
+
+    def counted(self, name):
+        t = real(self, name)
+        size = t.numel() * t.element_size()
+        live[0] += size
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(t, lambda: live.__setitem__(0, live[0] - size))
+        return t
+
+    monkeypatch.setattr(TensorFile, "decoded", counted)
+    state, written = round_state(tmp_path / f"k{k}", k)
+    arrivals = [inspect(state, region, key, len(data)) for (region, key), data in written.items()]
+    assert live[0] == 0, "an arrival holds decoded tensors"
+    apply_merge(state, arrivals, merge_rule(state))
+    state.drop_spool()
+    return peak[0], max(t.numel() * 4 for t in state.model.values())
+
+
+def test_memory_does_not_grow_with_the_number_of_deltas(tmp_path, monkeypatch):
+    peak_2, largest = _peak_live_decoded_bytes(tmp_path, 2, monkeypatch)
+    peak_8, _ = _peak_live_decoded_bytes(tmp_path, 8, monkeypatch)
+    assert peak_8 == peak_2
+    assert peak_8 <= 2 * largest  # the tensor being added and, briefly, the one before it
