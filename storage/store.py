@@ -173,15 +173,20 @@ class ObjectStore:
         self.fs.rm_file(self._path(key))
 
     # -- reads ----------------------------------------------------------------------------
+    def _check_size(self, key: str, max_bytes: int | None) -> None:
+        """Refuse an object over `max_bytes` before any of its bytes are fetched."""
+        if max_bytes is None:
+            return
+        size = self.size(key)
+        if size is None:
+            raise ObjectMissing(f"{self.url}/{key} does not exist")
+        if size > max_bytes:
+            raise IntegrityError(f"{self.url}/{key} is {size} bytes, over the {max_bytes} limit")
+
     def get(self, key: str, sha256: str | None = None, max_bytes: int | None = None) -> bytes:
         """Read an object; with `sha256`, refuse bytes that are not the named ones."""
         path = self._path(key)
-        if max_bytes is not None:
-            size = self.size(key)
-            if size is None:
-                raise ObjectMissing(f"{self.url}/{key} does not exist")
-            if size > max_bytes:
-                raise IntegrityError(f"{self.url}/{key} is {size} bytes, over the {max_bytes} limit")
+        self._check_size(key, max_bytes)
         try:
             data = self.fs.cat_file(path)
         except FileNotFoundError as exc:
@@ -195,12 +200,7 @@ class ObjectStore:
     def get_chunks(self, key: str, max_bytes: int | None = None) -> Iterator[bytes]:
         """An object's bytes in order, CHUNK_BYTES at a time (one ranged read each), so a large
         object is never whole in memory; refuses one over `max_bytes` before and while reading."""
-        if max_bytes is not None:
-            size = self.size(key)
-            if size is None:
-                raise ObjectMissing(f"{self.url}/{key} does not exist")
-            if size > max_bytes:
-                raise IntegrityError(f"{self.url}/{key} is {size} bytes, over the {max_bytes} limit")
+        self._check_size(key, max_bytes)
         try:
             fh = self.fs.open(self._path(key), "rb", block_size=CHUNK_BYTES, cache_type="none")
         except FileNotFoundError as exc:
