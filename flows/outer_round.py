@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -52,6 +54,8 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     stores = Stores(store, [])
     config = RunConfig.model_validate(read_config(stores.global_, run_id))
     stores = Stores(store, config.regions)
+    # One learner's share of the cores: more threads only spin against the learners beside it.
+    torch.set_num_threads(config.threads_per_learner())
     newest = latest_round(stores.global_, run_id)
     if newest is not None and newest >= round:
         log.info("%s round %d is already published; nothing to do", run_id, round)

@@ -30,11 +30,14 @@ def read_manifest(store: ObjectStore, run: str, round_: int) -> tuple[Manifest, 
     return Manifest.from_bytes(data), sha256_hex(data)
 
 
-def read_chain(store: ObjectStore, run: str) -> list[tuple[Manifest, str]]:
-    """Every manifest from round 0 to the newest, with the parent links checked."""
+def read_chain(store: ObjectStore, run: str, known: list[tuple[Manifest, str]] | None = None) -> list[tuple[Manifest, str]]:
+    """Every manifest from round 0 to the newest, with the parent links checked.
+
+    `known`: a chain this process read and checked before. Committed manifests never change, so
+    only the rounds after it are read (a synchronizer reads one manifest a round, not all)."""
     newest = latest_round(store, run)
-    chain: list[tuple[Manifest, str]] = []
-    for r in range(0, (newest if newest is not None else -1) + 1):
+    chain: list[tuple[Manifest, str]] = list(known or [])
+    for r in range(len(chain), (newest if newest is not None else -1) + 1):
         manifest, sha = read_manifest(store, run, r)
         if manifest.round != r or manifest.run != run:
             raise IntegrityError(f"round {r}: manifest says run {manifest.run!r} round {manifest.round}")

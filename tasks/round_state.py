@@ -27,6 +27,7 @@ from tasks.model import PRESETS
 from tasks.quorum import LearnerHistory, QuorumPolicy
 
 HISTORY = 5
+_CHAINS: dict[tuple[str, str], list[tuple[Manifest, str]]] = {}  # checked chains this process has read
 
 
 @lru_cache(maxsize=2)
@@ -48,7 +49,8 @@ class RoundState:
 
     @classmethod
     def load(cls, config: RunConfig, run: str, stores: Stores) -> "RoundState":
-        chain = read_chain(stores.global_, run)
+        key = (stores.global_.url, run)
+        chain = _CHAINS[key] = read_chain(stores.global_, run, _CHAINS.get(key))
         if not chain:
             raise RuntimeError(f"run {run} has no round 0 in {stores.global_.url}")
         parent = chain[-1][0]

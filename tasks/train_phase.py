@@ -220,7 +220,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     store = session.regional_store
     meta = {
         "run": session.run, "learner": session.learner, "region": session.region, "phase": phase,
-        "base_round": base_round, "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
+        "base_round": base_round, "start_round": start_round, "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
         "seconds": f"{result.seconds:.3f}", "finished_at": f"{time.time():.3f}",
         **session.io_totals(),
     }
