@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from benchmarks import heldout, pipeline
+from benchmarks.inprocess import Budget
 from benchmarks.quality import at_budget, budget, decoupled_spec, hs
 from benchmarks.report import Result, at_least, at_most, standalone
 from storage import layout
@@ -73,18 +74,20 @@ def limit(upload_only: float, facts: dict) -> str:
 
 
 def run(quick: bool) -> Result:
-    b = budget(quick)
+    # Bytes per token need no full budget: every run here trains a third of it, and the int4/fp32
+    # loss ratio is taken at that third (equal tokens for both).
+    full = budget(quick)
+    b = Budget(learners=full.learners, steps=max(3, full.steps // 3), warmup=full.warmup)
     h10, h50 = hs(quick)[0], hs(quick)[-1]
-    res = Result("wire", settings={"learners": b.learners, "model": heldout.PRESET, "ring": "2(K-1)/K x fp32 gradient, "
+    res = Result("wire", settings={"budget": b.__dict__, "model": heldout.PRESET, "ring": "2(K-1)/K x fp32 gradient, "
                                    "sent and as many received, per worker per step"})
-    fp32 = decoupled_spec(quick, h10)
+    fp32 = decoupled_spec(quick, h10, steps=b.steps)
     # "With the int4 codec": int4 deltas up and int4 updates down; fp32 deltas go with the default update codec.
     int4 = replace(fp32, name=fp32.name + "i4", codec="int4", update_codec="int4")
     runs = [("fp32", fp32, 15), ("int4", int4, 100)]
-    if h50 != h10:  # bytes per token need no full budget: a third of the rounds (--quick has one H)
-        long = decoupled_spec(quick, h50)
-        runs.append(("int4", replace(long, name=f"w{h50}i4", codec="int4", update_codec="int4",
-                                     rounds=max(2, long.rounds // 3)), 500))
+    if h50 != h10:  # --quick has one H
+        long = decoupled_spec(quick, h50, steps=b.steps)
+        runs.append(("int4", replace(long, name=f"w{h50}i4", codec="int4", update_codec="int4"), 500))
     for label, spec, bar in runs:
         r, upload_only, facts = ratio(pipeline.run(spec), b.learners)
         res.raw[f"{label}_h{spec.inner_steps}"] = {**facts, "run": pipeline.run(spec).run_id}
