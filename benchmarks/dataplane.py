@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import fsspec
 import torch
 
 from benchmarks.report import Result, at_least, at_most, standalone
@@ -121,12 +122,15 @@ def run(quick: bool) -> Result:
     res = Result("dataplane", settings={"model": cfg.__dict__, "params": params, "K": ks, "codec": "fp32"})
     with tempfile.TemporaryDirectory() as tmp:
         server = S3Server(Path(tmp) / "s3.log")
+        before = dict(os.environ)
         os.environ.update(CREDENTIALS)
         env = dict(os.environ)
         url = server.start(env)
         try:
             create_buckets(url, ["islands-global", *(f"islands-{r}" for r in REGIONS)])
             env["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"] = url
+            # s3fs clients are cached per process: drop those bound to another part's endpoint.
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
             for k in ks:
                 refs = write_inputs(cfg, k, Stores(STORE, REGIONS))
                 out = subprocess.run([sys.executable, "-m", "benchmarks.dataplane", "--child", str(k), "--s3", url],
@@ -136,6 +140,9 @@ def run(quick: bool) -> Result:
                 res.raw[f"k{k}"] = json.loads(out.stdout.strip().splitlines()[-1])
         finally:
             server.stop()
+            os.environ.clear()
+            os.environ.update(before)  # later parts talk to their own endpoint again
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
     k_big = res.raw[f"k{ks[-1]}"]
     res.rows.append(at_least(f"dataplane: synchronizer / raw boto3 throughput, K={ks[-1]}",
                              k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
