@@ -15,13 +15,16 @@ from collections.abc import Callable
 import torch
 
 log = logging.getLogger(__name__)
+Held = tuple[int, dict[str, torch.Tensor]]  # (round, θ)
 
 
 class RoundFollower:
-    def __init__(self, newest_round: Callable[[], int | None], fetch: Callable[[int], dict[str, torch.Tensor]],
-                 poll_s: float) -> None:
+    def __init__(self, newest_round: Callable[[], int | None],
+                 fetch: Callable[[int, Held | None], dict[str, torch.Tensor]], poll_s: float) -> None:
+        """`fetch(round, held)`: that round's model, given the round and model held now (the
+        fetch can then take the small way from it)."""
         self._newest_round, self._fetch, self._poll_s = newest_round, fetch, poll_s
-        self._held: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._held: Held | None = None
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -34,7 +37,7 @@ class RoundFollower:
         self._thread.start()
         return self
 
-    def held(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def held(self) -> Held:
         """The newest round fetched and its model."""
         assert self._held is not None, "start() first"
         return self._held
@@ -55,7 +58,7 @@ class RoundFollower:
         if newest is None:
             return False
         if self._held is None or newest > self._held[0]:
-            model = self._fetch(newest)
+            model = self._fetch(newest, self._held)
             with self._changed:
                 self._held = (newest, model)
                 self._changed.notify_all()

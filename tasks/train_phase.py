@@ -1,7 +1,7 @@
 """A learner's unit of work: one phase of H inner steps from a published round, ending in a delta.
 
 `LearnerSession` holds what lives across phases in the learner's process (model, inner AdamW,
-data cursor, the last base θ) and knows how to restore it from the learner's newest saved state,
+data cursor) and knows how to restore it from the learner's newest saved state,
 so a restarted learner continues where it stopped. `train_phase` is the Prefect task: one task
 run per phase.
 
@@ -32,7 +32,7 @@ from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.crash import crash_point
 from tasks.compress import compress_with_feedback, residual_state, split_residual
 from tasks.data import BatchSampler, shard, split_held_out
-from tasks.follow import RoundFollower
+from tasks.follow import Held, RoundFollower
 from tasks.inner import InnerConfig, InnerTrainer
 from tasks.merge import apply_update
 from tasks.model import build_model
@@ -65,7 +65,6 @@ class LearnerSession:
     crash: str | None = None  # crash point armed in this learner (tasks.crash)
     halt: str | None = None  # why the learner stops before the run ends
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
-    held: tuple[int, dict[str, torch.Tensor]] | None = None  # (round, θ) of the last base, for the way down
     uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
 
@@ -119,23 +118,22 @@ class LearnerSession:
             if p is not None and p < newest - 1:
                 store.delete(key)
 
-    def base(self, round_: int) -> tuple[dict[str, torch.Tensor], str]:
-        """θ of `round_` the cheapest way, and which way that was (for the phase's log line)."""
-        if self.held is not None and self.held[0] == round_:
-            return self.held[1], "held"
+    def base(self, round_: int, held: Held | None = None) -> tuple[dict[str, torch.Tensor], str]:
+        """θ of `round_` the cheapest way given the (round, θ) already `held`, and which way that was."""
+        if held is not None and held[0] == round_:
+            return held[1], "held"
         manifest, _ = read_manifest(self.global_store, self.run, round_)
         params, way = None, "checkpoint"
-        if self.held is not None and self.held[0] == round_ - 1 and manifest.update is not None:
-            params = self.rebuilt(manifest)
+        if held is not None and held[0] == round_ - 1 and manifest.update is not None:
+            params = self.rebuilt(manifest, held[1])
             way = "update" if params is not None else "checkpoint: the update did not rebuild the published model"
         if params is None:
             params = decode_state(self.fetch(manifest.model))
-        self.held = (round_, params)
         return params, way
 
-    def rebuilt(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
+    def rebuilt(self, manifest: Manifest, parent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """θ_{r−1} + the round's update, if it encodes to the very bytes the manifest names."""
-        params = apply_update(self.held[1], decode(self.fetch(manifest.update))[0])
+        params = apply_update(parent, decode(self.fetch(manifest.update))[0])
         encoded = encode_state(params, checkpoint_metadata(self.run, manifest.round))
         return params if sha256_hex(encoded) == manifest.model.sha256 else None
 
@@ -148,9 +146,9 @@ class LearnerSession:
         self.rounds = RoundFollower(lambda: latest_round(self.global_store, self.run), self.fetch_round, poll_s)
         return self.rounds.start(self.run)
 
-    def fetch_round(self, round_: int) -> dict[str, torch.Tensor]:
+    def fetch_round(self, round_: int, held: Held | None) -> dict[str, torch.Tensor]:
         """θ of `round_` for the follower thread, saying when the update could not be used."""
-        params, way = self.base(round_)
+        params, way = self.base(round_, held)
         if way.startswith("checkpoint:"):
             log.warning("%s learner %s: round %d from the %s", self.run, self.learner, round_, way)
         return params

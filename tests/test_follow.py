@@ -18,7 +18,8 @@ def test_follows_new_rounds_and_survives_a_failed_poll():
             raise OSError("S3 stalled")
         return published[-1]
 
-    def fetch(r):
+    def fetch(r, held):
+        assert held is None or held[0] < r  # it is told what it holds, and only asked for newer rounds
         fetched.append(r)
         return {"w": torch.full((2,), float(r))}
 
@@ -37,4 +38,4 @@ def test_follows_new_rounds_and_survives_a_failed_poll():
 
 def test_a_run_without_a_published_round_is_refused_at_start():
     with pytest.raises(RuntimeError, match="run-y has no published round"):
-        RoundFollower(lambda: None, lambda r: {}, poll_s=0.01).start("run-y")
+        RoundFollower(lambda: None, lambda r, held: {}, poll_s=0.01).start("run-y")

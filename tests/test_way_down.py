@@ -17,10 +17,14 @@ from tasks.train_phase import LearnerSession
 RUN = "way-down-run"
 
 
+HELD: dict[int, tuple] = {}  # id(session) → (round, θ) it holds, as its round follower keeps it
+
+
 def reads(session: LearnerSession, round_: int):
     """(θ, the way it came, bytes read from the global bucket, bytes read from the regional one)."""
     g, r = session.global_store.io.bytes_read, session.regional_store.io.bytes_read
-    params, way = session.base(round_)
+    params, way = session.base(round_, HELD.get(id(session)))
+    HELD[id(session)] = (round_, params)
     return params, way, session.global_store.io.bytes_read - g, session.regional_store.io.bytes_read - r
 
 
@@ -62,7 +66,7 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     # A held θ_0 that is not round 0's: the rebuilt model misses the manifest's hash; the checkpoint is read.
     off = {**theta0, "lm_head.weight": theta0["lm_head.weight"].clone()}
     off["lm_head.weight"][0, 0] += 1e-3
-    second.held = (0, off)
+    HELD[id(second)] = (0, off)
     fixed, way, _, _ = reads(second, 1)
     assert way.startswith("checkpoint:") and all(torch.equal(theta1[n], fixed[n]) for n in theta1)
 
