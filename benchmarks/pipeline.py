@@ -65,6 +65,7 @@ class Spec:
     min_quorum: int = 2
     learner_wait_s: float = 0.0
     rebase: bool = True
+    carry: bool = True
     round_timeout_s: float = 600.0
     warmup: int = 50
     total_steps: int = 600
@@ -76,7 +77,7 @@ class Spec:
             "run_id": f"b-{self.name}-{hashlib.sha1(repr(self).encode()).hexdigest()[:6]}", "regions": list(REGIONS), "rounds": self.rounds,
             "inner_steps": self.inner_steps, "model": PRESET, "corpus": CORPUS, "seed": self.seed,
             "speed": dict(self.speed), "codec": self.codec, "update_codec": self.update_codec, "eval_batches": EVAL_BATCHES, "learner_wait_s": self.learner_wait_s,
-            "rebase": self.rebase,
+            "rebase": self.rebase, "carry": self.carry,
             "inner": {"batch_size": BATCH, "warmup_steps": self.warmup, "total_steps": self.total_steps},
             "quorum": {"min_quorum": self.min_quorum, "round_timeout_s": self.round_timeout_s},
         }

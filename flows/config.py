@@ -95,6 +95,9 @@ class RunConfig(BaseModel):
     )
     learner_wait_s: float = Field(0.0, ge=0, description="Longest a learner waits for a newer round before training on (0: never).")
     rebase: bool = Field(True, description="Fold a round published mid-phase into the phase in progress (fresher deltas, no waiting).")
+    carry: bool = Field(
+        True, description="Start each phase from the learner's own weights, keeping its deltas no round has merged yet instead of retraining them."
+    )
     torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
     eval_batches: int = Field(16, gt=0, description="Held-out batches the synchronizer evaluates each round.")
     inner: InnerSettings = InnerSettings()

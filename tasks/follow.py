@@ -11,16 +11,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-
-import torch
+from typing import Any
 
 log = logging.getLogger(__name__)
-Held = tuple[int, dict[str, torch.Tensor]]  # (round, θ)
+Held = tuple[int, Any]  # (round, what `fetch` returned for it)
 
 
 class RoundFollower:
     def __init__(self, newest_round: Callable[[], int | None],
-                 fetch: Callable[[int, Held | None], dict[str, torch.Tensor]], poll_s: float) -> None:
+                 fetch: Callable[[int, Held | None], Any], poll_s: float) -> None:
         """`fetch(round, held)`: that round's model, given the round and model held now (the
         fetch can then take the small way from it)."""
         self._newest_round, self._fetch, self._poll_s = newest_round, fetch, poll_s

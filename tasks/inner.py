@@ -73,6 +73,14 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
+def carried(params: dict[str, torch.Tensor], deltas: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """θ with the progress of `deltas` (each base − local) applied: where a learner whose deltas θ
+    does not hold yet stands. θ itself when there are none."""
+    if not deltas:
+        return params
+    return {name: p - sum(d[name] for d in deltas) for name, p in params.items()}
+
+
 @dataclass
 class PhaseResult:
     delta: dict[str, torch.Tensor]  # float32, base − local: the pseudo-gradient, DiLoCo's sign
@@ -145,18 +153,17 @@ class InnerTrainer:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if slowdown < 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 is full speed), got {slowdown}")
-        self.model.load_state_dict(base)
-        self.model.train()
+        self.begin(base)
         losses: list[float] = []
         started = self.clock()
         for _ in range(steps):
             if should_stop is not None and should_stop():
                 break
             if rebase is not None and (newer := rebase()) is not None:
-                self._shift(base, newer)
+                self.shift(base, newer)
                 base = newer
             step_started = self.clock()
-            loss = self._train_step()
+            loss = self.train_step()
             compute_seconds = self.clock() - step_started
             losses.append(loss)
             if on_step is not None:
@@ -164,11 +171,7 @@ class InnerTrainer:
             if slowdown > 1.0:
                 self.sleep((slowdown - 1.0) * compute_seconds)
         seconds = self.clock() - started
-        with torch.no_grad():
-            delta = {
-                name: (base[name].to(p.device, torch.float32) - p.float()).cpu()
-                for name, p in self.model.named_parameters()
-            }
+        delta = self.delta(base)
         return PhaseResult(
             delta=delta,
             steps=len(losses),
@@ -178,13 +181,27 @@ class InnerTrainer:
             losses=losses,
         )
 
+    def begin(self, base: dict[str, torch.Tensor]) -> None:
+        """Load `base` as the local weights: a phase starts here."""
+        self.model.load_state_dict(base)
+        self.model.train()
+
     @torch.no_grad()
-    def _shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
+    def delta(self, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """base − local weights in float32 on the CPU: the phase's pseudo-gradient so far."""
+        return {
+            name: (base[name].to(p.device, torch.float32) - p.float()).cpu()
+            for name, p in self.model.named_parameters()
+        }
+
+    @torch.no_grad()
+    def shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
         """Local weights += newer − base: the phase's progress so far, carried onto `newer`."""
         for name, p in self.model.named_parameters():
             p.add_(newer[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
 
-    def _train_step(self) -> float:
+    def train_step(self) -> float:
+        """One AdamW step on the next batch, at the schedule's learning rate; returns its loss."""
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

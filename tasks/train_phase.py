@@ -5,9 +5,16 @@ data cursor) and knows how to restore it from the learner's newest saved state,
 so a restarted learner continues where it stopped. `train_phase` is the Prefect task: one task
 run per phase.
 
-The way down: a learner holding θ_{r−1} rebuilds θ_r from the round's encoded update (a fraction
-of the checkpoint) and checks it against the manifest's model hash; one further behind, or just
-restarted, reads the checkpoint. Both come through the region's cache (storage.cache).
+The way down: a learner holding θ_h rebuilds θ_r from the updates of rounds h+1…r while they
+are together smaller than the checkpoint, and checks the result against the manifest's model
+hash; one further behind, or just restarted, reads the checkpoint. Both come through the region's
+cache (storage.cache).
+
+Carry: a phase starts from the learner's own weights, not from the bare θ_r. Its deltas that the
+newest round has not merged yet are still in those weights, and they are kept there when a newer
+round arrives (`reference`), until a round that consumed them replaces them. Without it, every
+phase that starts before the previous one is merged retrains, from θ_r, steps the outer step is
+about to apply anyway, and the outer momentum applies that direction twice.
 """
 
 from __future__ import annotations
@@ -33,13 +40,21 @@ from tasks.crash import crash_point
 from tasks.compress import compress_with_feedback, residual_state, split_residual
 from tasks.data import BatchSampler, shard, split_held_out
 from tasks.follow import Held, RoundFollower
-from tasks.inner import InnerConfig, InnerTrainer
+from tasks.inner import InnerConfig, InnerTrainer, carried
 from tasks.merge import apply_update
 from tasks.model import build_model
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Published:
+    """A round as a learner holds it: θ_r, and which of this learner's phases rounds ≤ r consumed."""
+
+    params: dict[str, torch.Tensor]
+    consumed: frozenset[int] = frozenset()
 
 
 def inner_config(cfg: RunConfig) -> InnerConfig:
@@ -67,6 +82,7 @@ class LearnerSession:
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
     uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
+    unmerged: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # phase → delta no round holds yet
 
     @property
     def global_store(self) -> ObjectStore:
@@ -118,24 +134,34 @@ class LearnerSession:
             if p is not None and p < newest - 1:
                 store.delete(key)
 
-    def base(self, round_: int, held: Held | None = None) -> tuple[dict[str, torch.Tensor], str]:
-        """θ of `round_` the cheapest way given the (round, θ) already `held`, and which way that was."""
+    def base(self, round_: int, held: Held | None = None) -> tuple[Published, str]:
+        """Round `round_` the cheapest way given the round already `held`, and which way that was."""
         if held is not None and held[0] == round_:
             return held[1], "held"
-        manifest, _ = read_manifest(self.global_store, self.run, round_)
+        behind = held is not None and held[0] < round_
+        first = held[0] + 1 if behind else round_
+        manifests = [read_manifest(self.global_store, self.run, r)[0] for r in range(first, round_ + 1)]
+        consumed = (held[1].consumed if behind else frozenset()) | {
+            item.phase for m in manifests for item in [*m.contributions, *m.excluded] if item.learner == self.learner
+        }
         params, way = None, "checkpoint"
-        if held is not None and held[0] == round_ - 1 and manifest.update is not None:
-            params = self.rebuilt(manifest, held[1])
-            way = "update" if params is not None else "checkpoint: the update did not rebuild the published model"
+        updates = [m.update for m in manifests]
+        if behind and all(updates) and sum(u.bytes for u in updates) < manifests[-1].model.bytes:
+            params = self.rebuilt(manifests, held[1].params)
+            way = (("update" if len(updates) == 1 else f"{len(updates)} updates") if params is not None
+                   else "checkpoint: the updates did not rebuild the published model")
         if params is None:
-            params = decode_state(self.fetch(manifest.model))
-        return params, way
+            params = decode_state(self.fetch(manifests[-1].model))
+        return Published(params, frozenset(consumed)), way
 
-    def rebuilt(self, manifest: Manifest, parent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """θ_{r−1} + the round's update, if it encodes to the very bytes the manifest names."""
-        params = apply_update(parent, decode(self.fetch(manifest.update))[0])
-        encoded = encode_state(params, checkpoint_metadata(self.run, manifest.round))
-        return params if sha256_hex(encoded) == manifest.model.sha256 else None
+    def rebuilt(self, manifests: list[Manifest], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """θ_h + the updates of rounds h+1…r in turn, if that encodes to the very bytes round r's
+        manifest names (each round's model is its parent plus its update, so the last hash checks all)."""
+        params = held
+        for manifest in manifests:
+            params = apply_update(params, decode(self.fetch(manifest.update))[0])
+        encoded = encode_state(params, checkpoint_metadata(self.run, manifests[-1].round))
+        return params if sha256_hex(encoded) == manifests[-1].model.sha256 else None
 
     def fetch(self, ref: ObjectRef) -> bytes:
         """A round's object through the region's cache: each crosses regions once per region."""
@@ -146,12 +172,18 @@ class LearnerSession:
         self.rounds = RoundFollower(lambda: latest_round(self.global_store, self.run), self.fetch_round, poll_s)
         return self.rounds.start(self.run)
 
-    def fetch_round(self, round_: int, held: Held | None) -> dict[str, torch.Tensor]:
-        """θ of `round_` for the follower thread, saying when the update could not be used."""
-        params, way = self.base(round_, held)
+    def fetch_round(self, round_: int, held: Held | None) -> Published:
+        """Round `round_` for the follower thread, saying when the updates could not be used."""
+        published, way = self.base(round_, held)
         if way.startswith("checkpoint:"):
             log.warning("%s learner %s: round %d from the %s", self.run, self.learner, round_, way)
-        return params
+        return published
+
+    def reference(self, held: Held) -> dict[str, torch.Tensor]:
+        """The point this learner's steps count from on the held round: θ_r, or with `carry`, θ_r
+        plus its own progress that round r has not merged yet (so its weights keep it)."""
+        self.unmerged = {q: d for q, d in self.unmerged.items() if q not in held[1].consumed}
+        return carried(held[1].params, list(self.unmerged.values()))
 
     def rebase_offer(self, current: list[int]):
         """For run_phase: a round newer than current[0] (and still part of the run), once."""
@@ -159,10 +191,10 @@ class LearnerSession:
             return None
 
         def offer() -> dict[str, torch.Tensor] | None:
-            newest, model = self.rounds.held()
-            if current[0] < newest < self.config.rounds:
-                current[0] = newest
-                return model
+            held = self.rounds.held()
+            if current[0] < held[0] < self.config.rounds:
+                current[0] = held[0]
+                return self.reference(held)
             return None
 
         return offer
@@ -205,10 +237,11 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     hand the delta and the learner's state to the uploads."""
     log = get_run_logger()
     cfg = session.config
-    start_round, base = session.rounds.held()
+    held = session.rounds.held()
+    start_round = held[0]
     current = [start_round]
     result = session.trainer.run_phase(
-        base, cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check(),
+        session.reference(held), cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check(),
         rebase=session.rebase_offer(current),
     )
     base_round = session.last_base = current[0]
@@ -245,6 +278,8 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         session.collect_old_states(phase)
 
     session.uploads.submit(upload)
+    if cfg.carry:
+        session.unmerged[phase] = result.delta
     session.residual = residual
     session.next_phase = phase + 1
     log.info(

@@ -17,13 +17,14 @@ TEMPLATE = "s3://islands-{bucket}"
 TOKENS = 5 * 16 * 128  # H × batch × block of the tiny model
 
 
-def new_run(run_id: str, learners_per_region: int = 1, **quorum) -> tuple[RunConfig, Stores]:
+def new_run(run_id: str, learners_per_region: int = 1, update_codec: str = "bf16", **quorum) -> tuple[RunConfig, Stores]:
     """A run on the session stack's buckets with round 0 published and no learner running."""
     from flows.training_run import create_run
 
     config = RunConfig(
         run_id=run_id, regions=["north", "south"], learners_per_region=learners_per_region, rounds=2,
-        inner_steps=5, speed={}, eval_batches=2, quorum={"min_quorum": 1, "grace_max_s": 0.0, **quorum},
+        inner_steps=5, speed={}, eval_batches=2, update_codec=update_codec,
+        quorum={"min_quorum": 1, "grace_max_s": 0.0, **quorum},
     )
     stores = Stores(TEMPLATE, config.regions)
     create_run(config, stores)

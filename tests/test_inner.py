@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load, save
 
 from tasks.data import BatchSampler
-from tasks.inner import InnerConfig, InnerTrainer, lr_at
+from tasks.inner import InnerConfig, InnerTrainer, carried, lr_at
 from tasks.model import build_model
 
 DATA = bytes((i * 7 + i // 13) % 256 for i in range(8192))
@@ -127,6 +127,13 @@ def test_rebase_carries_the_progress_so_far_onto_the_newer_model():
     for name, p in rebased.model.named_parameters():
         assert torch.equal(p, dict(by_hand.model.named_parameters())[name])
         assert torch.equal(result.delta[name], newer[name] - p.detach())
+
+
+def test_carried_puts_a_learners_unmerged_progress_back_on_the_round():
+    theta = {"w": torch.tensor([1.0, 2.0])}
+    assert carried(theta, []) is theta
+    deltas = [{"w": torch.tensor([0.5, 0.0])}, {"w": torch.tensor([0.25, -1.0])}]  # base − local
+    assert torch.equal(carried(theta, deltas)["w"], torch.tensor([0.25, 3.0]))
 
 
 def test_slowdown_sleeps_for_the_extra_time_of_each_step():

@@ -12,20 +12,20 @@ from flows.outer_round import outer_round
 from storage import layout
 from storage.rounds import read_manifest
 from tasks.audit import audit_run
-from tasks.train_phase import LearnerSession
+from tasks.train_phase import LearnerSession, Published
 
 RUN = "way-down-run"
 
 
-HELD: dict[int, tuple] = {}  # id(session) → (round, θ) it holds, as its round follower keeps it
+HELD: dict[int, tuple] = {}  # id(session) → (round, Published) it holds, as its round follower keeps it
 
 
 def reads(session: LearnerSession, round_: int):
     """(θ, the way it came, bytes read from the global bucket, bytes read from the regional one)."""
     g, r = session.global_store.io.bytes_read, session.regional_store.io.bytes_read
-    params, way = session.base(round_, HELD.get(id(session)))
-    HELD[id(session)] = (round_, params)
-    return params, way, session.global_store.io.bytes_read - g, session.regional_store.io.bytes_read - r
+    published, way = session.base(round_, HELD.get(id(session)))
+    HELD[id(session)] = (round_, published)
+    return published.params, way, session.global_store.io.bytes_read - g, session.regional_store.io.bytes_read - r
 
 
 def test_learners_reach_the_next_round_from_the_update_through_the_regional_cache(on_stack):
@@ -66,9 +66,59 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     # A held θ_0 that is not round 0's: the rebuilt model misses the manifest's hash; the checkpoint is read.
     off = {**theta0, "lm_head.weight": theta0["lm_head.weight"].clone()}
     off["lm_head.weight"][0, 0] += 1e-3
-    HELD[id(second)] = (0, off)
+    HELD[id(second)] = (0, Published(off))
     fixed, way, _, _ = reads(second, 1)
     assert way.startswith("checkpoint:") and all(torch.equal(theta1[n], fixed[n]) for n in theta1)
 
     report = audit_run(stores, RUN, replay=True)
     assert report.ok and report.replayed == 2, report.summary()
+
+
+def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_deltas_were_merged(on_stack):
+    """int4 updates are an eighth of the checkpoint: a learner holding round 0 reaches round 2 from
+    rounds 1 and 2's updates, bit for bit, and learns that rounds 1 and 2 consumed its phases 0 and 1."""
+    run = RUN + "-chain"
+    config, stores = new_run(run, update_codec="int4")
+    session = LearnerSession.open(config, run, "north-0", stores)
+    reads(session, 0)
+    for phase in (0, 1):
+        for i, learner in enumerate(["north-0", "south-0"]):
+            put(config, stores, learner, phase, delta_bytes(config, stores, learner, phase, phase, seed=i))
+        outer_round(run_id=run, round=phase + 1, store=stores.template)
+    manifests = [read_manifest(stores.global_, run, r)[0] for r in (1, 2)]
+    assert sum(m.update.bytes for m in manifests) < manifests[1].model.bytes
+
+    theta2, way, from_global, _ = reads(session, 2)
+    assert way == "2 updates" and from_global < manifests[1].model.bytes
+    assert HELD[id(session)][1].consumed == {0, 1}
+    fresh, way, _, _ = reads(LearnerSession.open(config, run, "north-0", stores), 2)
+    assert way == "checkpoint" and all(torch.equal(theta2[n], fresh[n]) for n in theta2)
+
+
+def test_a_phase_starts_from_the_learners_own_weights_until_a_round_merges_its_delta(on_stack):
+    """Carry: with no newer round, phase 1 goes on from where phase 0 ended (θ_0 − δ_0), not from
+    θ_0; once round 1 has merged δ_0, the learner stands on θ_1 plus only its unmerged δ_1."""
+    from tasks.train_phase import train_phase
+
+    run = RUN + "-carry"
+    config, stores = new_run(run)
+    session = LearnerSession.open(config, run, "north-0", stores)
+    session.follow(poll_s=0.05)
+    try:
+        theta0 = session.rounds.held()[1].params
+        train_phase(session, 0)
+        end0 = {n: p.detach().clone() for n, p in session.trainer.model.named_parameters()}
+        delta0 = session.unmerged[0]
+        start1 = session.reference(session.rounds.held())
+        assert all(torch.allclose(start1[n], end0[n], atol=1e-6) for n in end0)
+        assert all(torch.equal(start1[n], theta0[n] - delta0[n]) for n in end0)
+        train_phase(session, 1)
+        session.uploads.close()
+
+        outer_round(run_id=run, round=1, store=stores.template)  # merges phases 0 and 1 of north-0
+        session.rounds.wait_newer(0, timeout_s=10.0)
+        held = session.rounds.held()
+        assert held[0] == 1 and held[1].consumed == {0, 1}
+        assert session.reference(held) is held[1].params and session.unmerged == {}
+    finally:
+        session.rounds.close()

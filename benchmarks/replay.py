@@ -1,0 +1,174 @@
+"""The decoupled pipeline's schedule replayed in virtual time, in one process.
+
+Same learners, data, inner loop, quorum rule (tasks.quorum.decide) and merge plan
+(tasks.merge.plan_merge) as the pipeline, but the clock is simulated: a full-speed learner's inner
+step takes `step_s`, a slow one's 1/speed of that, a round is visible to learners `publish_s` after
+it closes. Nothing waits on servers, so outer-step rules can be compared side by side on the same
+schedule in minutes; the pipeline itself (benchmarks.quality) is what the bars are measured on.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.heldout import BATCH, PRESET, train_bytes
+from benchmarks.inprocess import Budget, params_of
+from tasks.data import BatchSampler, shard
+from tasks.inner import InnerConfig, InnerTrainer
+from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
+from tasks.model import build_model
+from tasks.quorum import LearnerHistory, QuorumPolicy, decide
+
+
+@dataclass(frozen=True)
+class Schedule:
+    h: int
+    speeds: tuple[float, ...] = (1.0, 1 / 3, 1.0, 1.0)  # learner i's step rate; eu-west is learner 1
+    step_s: float = 0.9  # a full-speed learner's inner step, as in the pipeline at full size
+    publish_s: float = 3.0  # quorum closed → round visible to learners (merge, eval, write, poll)
+    min_quorum: int = 2
+    grace_fraction: float = 0.5
+    rebase: bool = True
+    carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
+
+
+# An outer rule: (θ, momentum, deltas, planned weights, round) → (θ_r, momentum).
+OuterRule = Callable[[dict, dict | None, list[dict], list, int], tuple[dict, dict]]
+
+
+def nesterov(rule: MergeRule) -> OuterRule:
+    """The synchronizer's rule: weighted average of the deltas, one Nesterov step."""
+    def step(theta, momentum, deltas, weighted, round_):
+        return merge_round(theta, momentum, deltas, [w.weight for w in weighted], rule)
+    return step
+
+
+@dataclass
+class _Arrival:
+    at: float
+    learner: str
+    phase: int
+    base_round: int
+    tokens: int
+    seconds: float
+    delta: dict
+
+
+@dataclass
+class _Learner:
+    trainer: InnerTrainer
+    speed: float
+    base: dict = field(default_factory=dict)
+    base_round: int = 0
+    done: int = 0  # steps into the current phase
+    phase: int = 0
+    phase_started: float = 0.0
+    unmerged: dict = field(default_factory=dict)  # phase → delta sent and not yet in a visible round
+
+
+def replay(budget: Budget, schedule: Schedule, outer: OuterRule, seed: int = 0, init: dict | None = None) -> tuple[dict, dict]:
+    """Train until the learners have trained the budget's tokens; (θ of the last round, facts)."""
+    block = build_model(PRESET, seed).config.block_size
+    cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
+    learners = []
+    for i, speed in enumerate(schedule.speeds):
+        data = shard(train_bytes(), i, len(schedule.speeds), block_size=block)
+        trainer = InnerTrainer(build_model(PRESET, seed), BatchSampler(data, BATCH, block, seed=seed * 1000 + i), cfg)
+        learners.append(_Learner(trainer, speed))
+    names = [f"l{i}" for i in range(len(learners))]
+    policy = QuorumPolicy(min_quorum=schedule.min_quorum, max_quorum=len(learners), grace_max_s=20.0,
+                          deadline_s=600.0, grace_fraction=schedule.grace_fraction)
+    rounds = [(0, init if init is not None else params_of(build_model(PRESET, seed)), 0.0)]  # (round, θ, visible at)
+    momentum = None
+    history = {n: LearnerHistory([], None) for n in names}
+    arrived: dict[str, float] = {}
+    pending: list[_Arrival] = []  # deltas sent and not merged yet
+    collecting_since = 0.0
+    steps_per_token = budget.tokens // (BATCH * block)
+    trained_steps, merged = 0, []
+    clock = [(0.0, i) for i in range(len(learners))]
+    heapq.heapify(clock)
+
+    settled = [frozenset()]  # round r: the (learner, phase) deltas merged or dropped by round r
+
+    def reference(L: _Learner, name: str, t: float) -> tuple[int, dict]:
+        """The newest visible round and the point this learner's next steps count from: θ_r, or
+        with `carry`, θ_r minus the learner's own deltas that θ_r does not hold yet."""
+        r, theta, _ = max((x for x in rounds if x[2] <= t), key=lambda x: x[0])
+        if not schedule.carry:
+            return r, theta
+        L.unmerged = {q: d for q, d in L.unmerged.items() if (name, q) not in settled[r]}
+        if not L.unmerged:
+            return r, theta
+        return r, {k: theta[k] - sum(d[k] for d in L.unmerged.values()) for k in theta}
+
+    def synchronize(until: float) -> None:
+        """Run the synchronizer's events (arrivals seen, rechecks, closes) up to time `until`."""
+        nonlocal momentum, collecting_since
+        now = collecting_since
+        while now <= until:
+            for a in pending:
+                if a.at <= now and a.learner not in arrived:
+                    arrived[a.learner] = a.at
+                    h = history[a.learner]
+                    h.phase_seconds, h.last_arrival = (h.phase_seconds + [a.seconds])[-5:], a.at
+            d = decide(policy, collecting_since, now, arrived, names, history)
+            if d.close and d.reason == "timeout" and not arrived:
+                return  # nothing left to merge: the learners have stopped
+            if d.close:
+                publish(now)
+                now = collecting_since
+                continue
+            later = [a.at for a in pending if a.at > now] + ([d.recheck_at] if d.recheck_at is not None else [])
+            if not later:
+                return
+            now = min(later)
+
+    def publish(now: float) -> None:
+        nonlocal momentum, collecting_since
+        take = [a for a in pending if a.at <= now]
+        r = rounds[-1][0] + 1
+        weighted, _ = plan_merge(r - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in take], MergeRule())
+        by = {(a.learner, a.phase): a for a in take}
+        deltas = [by[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
+        theta = rounds[-1][1]
+        if weighted:
+            theta, momentum = outer(theta, momentum, deltas, weighted, r)
+        merged.append([w.staleness for w in weighted])
+        pending[:] = [a for a in pending if a.at > now]
+        settled.append(settled[-1] | {(a.learner, a.phase) for a in take})
+        arrived.clear()
+        rounds.append((r, theta, now + schedule.publish_s))
+        collecting_since = now + schedule.publish_s
+
+    while trained_steps < steps_per_token:
+        t, i = heapq.heappop(clock)
+        synchronize(t)
+        L, name = learners[i], names[i]
+        if L.done == 0:
+            L.base_round, L.base = reference(L, name, t)
+            L.trainer.begin(L.base)
+            L.phase_started = t
+        elif schedule.rebase and max(x[0] for x in rounds if x[2] <= t) > L.base_round:
+            r, theta = reference(L, name, t)
+            L.trainer.shift(L.base, theta)
+            L.base_round, L.base = r, theta
+        L.trainer.train_step()
+        L.done += 1
+        trained_steps += 1
+        t_end = t + schedule.step_s / L.speed
+        if L.done == schedule.h:
+            delta = L.trainer.delta(L.base)
+            pending.append(_Arrival(t_end, name, L.phase, L.base_round, schedule.h * BATCH * block,
+                                    t_end - L.phase_started, delta))
+            L.unmerged[L.phase] = delta
+            L.done, L.phase = 0, L.phase + 1
+        heapq.heappush(clock, (t_end, i))
+    synchronize(float("inf"))
+    staleness = [s for m in merged for s in m]
+    return rounds[-1][1], {"rounds": rounds[-1][0], "deltas_per_round": sum(map(len, merged)) / max(1, len(merged)),
+                           "mean_staleness": sum(staleness) / max(1, len(staleness))}
