@@ -15,12 +15,13 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import dataplane, faults, quality, utilization, wire
+from benchmarks import dataplane, faults, quality, schedule, utilization, wire
 from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
     "quality": quality.run,
     "quality_robust": quality.run_robust,
+    "schedule": schedule.run,
     "wire": wire.run,
     "faults": faults.run,
     "utilization": utilization.run,

@@ -3,17 +3,14 @@
 Same learners, data, inner loop, quorum rule (tasks.quorum.decide) and merge plan
 (tasks.merge.plan_merge) as the pipeline, but the clock is simulated: a full-speed learner's inner
 step takes `step_s`, a slow one's 1/speed of that, a round is visible to learners `publish_s` after
-it closes. Nothing waits on servers, so outer-step rules can be compared side by side on the same
-schedule in minutes; the pipeline itself (benchmarks.quality) is what the bars are measured on.
+it closes. Nothing waits on servers, so learner behaviours and outer steps can be compared side by side on the same
+schedule in minutes (benchmarks.schedule); the pipeline itself (benchmarks.quality) is what the bars are measured on.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
 from benchmarks.inprocess import Budget, params_of
@@ -34,17 +31,6 @@ class Schedule:
     grace_fraction: float = 0.5
     rebase: bool = True
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
-
-
-# An outer rule: (θ, momentum, deltas, planned weights, round) → (θ_r, momentum).
-OuterRule = Callable[[dict, dict | None, list[dict], list, int], tuple[dict, dict]]
-
-
-def nesterov(rule: MergeRule) -> OuterRule:
-    """The synchronizer's rule: weighted average of the deltas, one Nesterov step."""
-    def step(theta, momentum, deltas, weighted, round_):
-        return merge_round(theta, momentum, deltas, [w.weight for w in weighted], rule)
-    return step
 
 
 @dataclass
@@ -70,8 +56,9 @@ class _Learner:
     unmerged: dict = field(default_factory=dict)  # phase → delta sent and not yet in a visible round
 
 
-def replay(budget: Budget, schedule: Schedule, outer: OuterRule, seed: int = 0, init: dict | None = None) -> tuple[dict, dict]:
-    """Train until the learners have trained the budget's tokens; (θ of the last round, facts)."""
+def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -> tuple[dict, dict]:
+    """Train until the learners have trained the budget's tokens, merging as the synchronizer
+    does (weights from tasks.merge.plan_merge, one Nesterov step); (θ of the last round, facts)."""
     block = build_model(PRESET, seed).config.block_size
     cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
     learners = []
@@ -82,13 +69,13 @@ def replay(budget: Budget, schedule: Schedule, outer: OuterRule, seed: int = 0, 
     names = [f"l{i}" for i in range(len(learners))]
     policy = QuorumPolicy(min_quorum=schedule.min_quorum, max_quorum=len(learners), grace_max_s=20.0,
                           deadline_s=600.0, grace_fraction=schedule.grace_fraction)
-    rounds = [(0, init if init is not None else params_of(build_model(PRESET, seed)), 0.0)]  # (round, θ, visible at)
+    rounds = [(0, params_of(build_model(PRESET, seed)), 0.0)]  # (round, θ, visible at)
     momentum = None
     history = {n: LearnerHistory([], None) for n in names}
     arrived: dict[str, float] = {}
     pending: list[_Arrival] = []  # deltas sent and not merged yet
     collecting_since = 0.0
-    steps_per_token = budget.tokens // (BATCH * block)
+    budget_steps = budget.tokens // (BATCH * block)
     trained_steps, merged = 0, []
     clock = [(0.0, i) for i in range(len(learners))]
     heapq.heapify(clock)
@@ -132,12 +119,12 @@ def replay(budget: Budget, schedule: Schedule, outer: OuterRule, seed: int = 0, 
         nonlocal momentum, collecting_since
         take = [a for a in pending if a.at <= now]
         r = rounds[-1][0] + 1
-        weighted, _ = plan_merge(r - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in take], MergeRule())
+        weighted, _ = plan_merge(r - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in take], rule)
         by = {(a.learner, a.phase): a for a in take}
         deltas = [by[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
         theta = rounds[-1][1]
         if weighted:
-            theta, momentum = outer(theta, momentum, deltas, weighted, r)
+            theta, momentum = merge_round(theta, momentum, deltas, [w.weight for w in weighted], rule)
         merged.append([w.staleness for w in weighted])
         pending[:] = [a for a in pending if a.at > now]
         settled.append(settled[-1] | {(a.learner, a.phase) for a in take})
@@ -145,7 +132,7 @@ def replay(budget: Budget, schedule: Schedule, outer: OuterRule, seed: int = 0, 
         rounds.append((r, theta, now + schedule.publish_s))
         collecting_since = now + schedule.publish_s
 
-    while trained_steps < steps_per_token:
+    while trained_steps < budget_steps:
         t, i = heapq.heappop(clock)
         synchronize(t)
         L, name = learners[i], names[i]

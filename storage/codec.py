@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -20,7 +21,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-from safetensors.torch import save_file as st_save_file
 
 from storage.store import CHUNK_BYTES
 from tasks.compress import CODECS, decode_one, from_wire, to_wire, wire_plan
@@ -157,29 +157,70 @@ def decode_state(data: bytes) -> dict[str, torch.Tensor]:
 
 
 def encode_state_file(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: Path) -> str:
-    """Write `encode_state`'s very bytes to `path` without holding them in memory; their sha256.
+    """Write `encode_state`'s very bytes to `path` without holding them in memory; their sha256."""
+    with TensorFileWriter(path) as writer:
+        for name, tensor in tensors.items():
+            writer.add(name, tensor)
+        return writer.finish(metadata)
 
-    safetensors writes straight from the tensors' memory; the canonical header then replaces
-    its own while the tensor bytes are copied over in chunks."""
-    raw = path.with_name(path.name + ".raw")
-    st_save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, raw, metadata=metadata or None)
-    try:
-        with open(raw, "rb") as src, open(path, "wb") as dst:
-            (n,) = struct.unpack("<Q", src.read(8))
-            header_json = src.read(n)
-            body = hashlib.sha256()
-            while chunk := src.read(CHUNK_BYTES):
+
+class TensorFileWriter:
+    """`encode_state`'s very bytes for tensors that come one at a time (a merge makes them tensor
+    by tensor): each goes to a part file beside `path` as it comes, and `finish` writes them in
+    safetensors' own order behind the canonical header. Nothing is whole in memory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.parts_dir = path.with_name(path.name + ".parts")
+        self.parts_dir.mkdir()
+        self.parts: dict[str, tuple[torch.dtype, list[int], Path]] = {}
+
+    def __enter__(self) -> "TensorFileWriter":
+        return self
+
+    def __exit__(self, *_) -> None:
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.parts:
+            raise ValueError(f"tensor {name!r} added twice")
+        t = tensor.detach().cpu().contiguous()
+        part = self.parts_dir / str(len(self.parts))
+        with open(part, "wb") as fh:
+            fh.write(t.reshape(-1).view(torch.uint8).numpy())
+        self.parts[name] = (t.dtype, list(t.shape), part)
+
+    def finish(self, metadata: dict[str, str] | None) -> str:
+        """Write the object to `path`; its sha256."""
+        # safetensors orders tensors by dtype, then name: ask it, with one-element stand-ins.
+        probe = st_save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _, _) in self.parts.items()})
+        (n,) = struct.unpack("<Q", probe[:8])
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset, body = 0, hashlib.sha256()
+        for name, entry in json.loads(probe[8 : 8 + n]).items():
+            if name == "__metadata__":
+                continue
+            _, shape, part = self.parts[name]
+            size = part.stat().st_size
+            header[name] = {**entry, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+            for chunk in _chunks(part):
                 body.update(chunk)
-            head = canonical_header(header_json, body.hexdigest())
-            whole = hashlib.sha256(head)
-            dst.write(head)
-            src.seek(8 + n)
-            while chunk := src.read(CHUNK_BYTES):
-                whole.update(chunk)
-                dst.write(chunk)
-    finally:
-        raw.unlink()
-    return whole.hexdigest()
+        head = canonical_header(json.dumps(header).encode(), body.hexdigest())
+        whole = hashlib.sha256(head)
+        with open(self.path, "wb") as out:
+            out.write(head)
+            for name in list(header)[1 if metadata else 0 :]:
+                for chunk in _chunks(self.parts[name][2]):
+                    whole.update(chunk)
+                    out.write(chunk)
+        return whole.hexdigest()
+
+
+def _chunks(path: Path):
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            yield chunk
 
 
 class TensorFile:

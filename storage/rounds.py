@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from storage import layout
-from storage.codec import MAX_HEADER_BYTES, TensorFile, encode_state_file, encode_wire, read_header
+from storage.codec import MAX_HEADER_BYTES, TensorFile, encode_state_file, read_header
 from storage.manifest import EncodedRef, Manifest, ObjectRef
 from storage.spool import spool
 from storage.store import IntegrityError, ObjectStore, sha256_hex
@@ -68,13 +69,23 @@ def checkpoint_metadata(run: str, round_: int) -> dict[str, str]:
     return {"run": run, "round": str(round_)}
 
 
-def put_update(store: ObjectStore, run: str, round_: int, wire: dict[str, torch.Tensor], codec: str) -> EncodedRef:
-    """Write round r's encoded outer update under its content address (a retry finds the same bytes)."""
-    data = encode_wire(wire, checkpoint_metadata(run, round_), codec)
-    sha = sha256_hex(data)
-    key = layout.update_key(run, round_, sha)
-    store.put_or_verify(key, data)
-    return EncodedRef(key=key, sha256=sha, bytes=len(data), codec=codec)
+class EncodedFile(NamedTuple):
+    """An object encoded into a local file, and the sha256 of its bytes."""
+
+    path: Path
+    sha256: str
+
+
+def update_metadata(run: str, round_: int, codec: str) -> dict[str, str]:
+    """The metadata of round r's encoded update: the checkpoint's, and the codec."""
+    return {**checkpoint_metadata(run, round_), "codec": codec}
+
+
+def put_update(store: ObjectStore, run: str, round_: int, encoded: EncodedFile, codec: str) -> EncodedRef:
+    """Upload round r's encoded update under its content address (a retry finds the same bytes)."""
+    key = layout.update_key(run, round_, encoded.sha256)
+    store.put_or_verify(key, encoded.path, sha256=encoded.sha256)
+    return EncodedRef(key=key, sha256=encoded.sha256, bytes=encoded.path.stat().st_size, codec=codec)
 
 
 def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import fsspec
 
 CHUNK_BYTES = 16 * 2**20  # one ranged read or copied block of a large object
+PARTS_AT_ONCE = 4  # multipart upload parts in flight: memory is PARTS_AT_ONCE × CHUNK_BYTES, not 10 × 50 MiB
 _MEMORY_LOCK = threading.Lock()
 _COUNTERS: dict[str, "IOCounters"] = {}
 
@@ -119,7 +120,8 @@ class ObjectStore:
         else:
             try:
                 if isinstance(data, Path):
-                    self.fs.put_file(str(data), path, mode="create")
+                    parts = {"chunksize": CHUNK_BYTES, "max_concurrency": PARTS_AT_ONCE} if self.protocol == "s3" else {}
+                    self.fs.put_file(str(data), path, mode="create", **parts)
                 else:
                     self.fs.pipe_file(path, data, mode="create")
                 written = True

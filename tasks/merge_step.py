@@ -12,7 +12,9 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from storage.codec import TensorFileWriter
 from storage.manifest import Contribution, Excluded
+from storage.rounds import EncodedFile, update_metadata
 from tasks.collect import Arrival, Collected
 from tasks.data import evaluate
 from tasks.merge import Candidate, MergeRule, encode_update_tensor, merge_tensor_, plan_merge
@@ -29,7 +31,7 @@ class RoundFailed(RuntimeError):
 class Merged:
     model: dict[str, torch.Tensor]  # θ_r = θ_{r−1} + decode(update)
     momentum: dict[str, torch.Tensor]
-    update: dict[str, torch.Tensor]  # wire tensors of the update codec
+    update: EncodedFile  # the update codec's object, written while merging
     residual: dict[str, torch.Tensor]  # what the update codec has not sent yet
     contributions: list[Contribution]
     excluded: list[Excluded]
@@ -45,13 +47,13 @@ def merge_rule(state: RoundState) -> MergeRule:
 
 
 def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
-    """(θ_r, momentum, the encoded update, the update codec's residual, weighted, dropped).
+    """(θ_r, momentum, the encoded update's file, the update codec's residual, weighted, dropped).
 
     Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
     stepped into the round state's θ and momentum in place, then the step is encoded with the
-    update codec and θ_r becomes θ_{r−1} + the decoded step (tasks.merge.encode_update), so memory
-    holds θ, the momentum, the update and its residual, and one tensor of each delta, however
-    many deltas there are."""
+    update codec (tasks.merge.encode_update), its wire tensors go straight to the update's file,
+    and θ_r becomes θ_{r−1} + the decoded step. Memory holds θ, the momentum and the residual,
+    and one tensor of each delta, however many deltas there are."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
@@ -61,16 +63,20 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     files = [by_id[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
     weights = [w.weight for w in weighted]
     momentum = state.momentum if state.momentum is not None else {}
-    update, residual = {}, {}
-    for name, param in state.model.items():
-        parent = param.clone()
-        _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
-        wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, state.config.update_codec)
-        param.copy_(rebuilt)
-        update.update(wire)
-        residual.update(left)
+    codec, residual = state.config.update_codec, {}
+    path = state.spool_dir / f"update-{state.round:06d}.safetensors"
+    with TensorFileWriter(path) as update:
+        for name, param in state.model.items():
+            parent = param.clone()
+            _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
+            wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, codec)
+            param.copy_(rebuilt)
+            for key, tensor in wire.items():
+                update.add(key, tensor)
+            residual.update(left)
+        sha = update.finish(update_metadata(state.run, state.round, codec))
     state.momentum = momentum
-    return state.model, momentum, update, residual, weighted, dropped
+    return state.model, momentum, EncodedFile(path, sha), residual, weighted, dropped
 
 
 def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:

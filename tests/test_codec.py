@@ -18,6 +18,7 @@ from storage.codec import (
     encode,
     encode_state,
     read_header,
+    TensorFileWriter,
 )
 from storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
 from storage.store import sha256_hex
@@ -320,3 +321,18 @@ def test_manifest_refuses_unknown_quorum_closing():
     doc["quorum"]["closed_by"] = "whenever"
     with pytest.raises(ValidationError):
         Manifest.from_bytes(json.dumps(doc).encode())
+
+
+def test_tensors_written_one_at_a_time_give_encode_states_very_bytes(tmp_path):
+    """TensorFileWriter takes tensors in any order and any dtype mix and writes what encode_state
+    writes for the whole dict: a merge can stream an object and its sha256 still names it."""
+    tensors = {"b": torch.randn(5, dtype=torch.bfloat16), "a": torch.randn(2, 3), "c": torch.tensor(7),
+               "z": torch.arange(3, dtype=torch.uint8), "e": torch.zeros(0)}
+    for meta in ({"run": "r", "round": "3"}, None):
+        path = tmp_path / f"obj-{meta is None}"
+        with TensorFileWriter(path) as writer:
+            for name in ("z", "a", "e", "c", "b"):
+                writer.add(name, tensors[name])
+            sha = writer.finish(meta)
+        assert path.read_bytes() == encode_state(tensors, meta) and sha == sha256_hex(path.read_bytes())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["obj-False", "obj-True"]  # no part file is left

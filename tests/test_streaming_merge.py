@@ -14,7 +14,7 @@ from flows.config import RunConfig
 from storage import layout
 from storage.codec import TensorFile, decode, encode, encode_state, encode_wire
 from storage.manifest import Excluded
-from storage.rounds import get_tensors, put_tensors
+from storage.rounds import get_tensors, put_tensors, update_metadata
 from storage.store import Stores, sha256_hex
 from tasks.collect import Arrival, inspect
 from tasks.compress import to_wire
@@ -74,7 +74,9 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
             assert torch.equal(model[name], want_model[name]), name
             assert torch.equal(momentum[name], want_momentum[name]), name
             assert torch.equal(residual[name], want_residual[name]), name
-        assert update.keys() == want_update.keys() and all(torch.equal(update[k], want_update[k]) for k in update)
+        codec_u = state.config.update_codec
+        assert update.path.read_bytes() == encode_wire(want_update, update_metadata(RUN, 1, codec_u), codec_u)
+        assert update.sha256 == sha256_hex(update.path.read_bytes())
         state.drop_spool()
 
 

@@ -60,7 +60,8 @@ def test_a_learner_rebuilds_every_round_bit_for_bit_from_the_update_object(codec
 
 @pytest.mark.parametrize("codec", ["bf16", "int8", "int4"])
 def test_the_residual_keeps_what_the_codec_dropped(codec):
-    """θ_R + residual is where exact updates would have taken the model (up to float32 rounding)."""
+    """θ_R + residual is where exact updates would have taken the model, up to float32 rounding and
+    the residual's own bf16 rounding (at most 2^-9 of it a round)."""
     params, momentum, residual = model(), None, {}
     exact, exact_momentum = model(), None
     for r in range(1, ROUNDS + 1):
@@ -69,7 +70,9 @@ def test_the_residual_keeps_what_the_codec_dropped(codec):
     for name in params:
         dropped = (params[name] - exact[name]).abs().max()
         assert dropped > 0
-        assert torch.allclose(params[name] + residual[name], exact[name], rtol=0, atol=1e-6)
+        bf16_rounding = ROUNDS * 2**-9 * residual[name].float().abs().max()
+        assert dropped > 10 * bf16_rounding  # the residual holds far more than its rounding loses
+        assert torch.allclose(params[name] + residual[name], exact[name], rtol=0, atol=1e-6 + bf16_rounding)
 
 
 def test_the_residual_survives_a_reload_of_the_outer_state():
