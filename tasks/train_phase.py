@@ -46,6 +46,7 @@ from tasks.model import build_model
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
+CARRY_LIMIT = 8  # unmerged deltas a learner carries at most (each is a model's size in memory)
 log = logging.getLogger(__name__)
 
 
@@ -280,6 +281,11 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     session.uploads.submit(upload)
     if cfg.carry:
         session.unmerged[phase] = result.delta
+        if len(session.unmerged) > CARRY_LIMIT:  # no round for many phases: bound the memory, not the run
+            oldest = min(session.unmerged)
+            del session.unmerged[oldest]
+            log.warning("%s learner %s: %d phases without a round that merged them; phase %d no longer carried",
+                        session.run, session.learner, CARRY_LIMIT + 1, oldest)
     session.residual = residual
     session.next_phase = phase + 1
     log.info(
