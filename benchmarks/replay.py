@@ -31,6 +31,7 @@ class Schedule:
     grace_fraction: float = 0.5
     rebase: bool = True
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
+    catch_up: bool = False  # a phase starts no earlier in the lr schedule than the learners' average progress
 
 
 @dataclass
@@ -81,6 +82,7 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
     heapq.heapify(clock)
 
     settled = [frozenset()]  # round r: the (learner, phase) deltas merged or dropped by round r
+    applied = [0]  # round r: tokens merged into rounds 1…r
 
     def reference(L: _Learner, name: str, t: float) -> tuple[int, dict]:
         """The newest visible round and the point this learner's next steps count from: θ_r, or
@@ -128,6 +130,7 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
         merged.append([w.staleness for w in weighted])
         pending[:] = [a for a in pending if a.at > now]
         settled.append(settled[-1] | {(a.learner, a.phase) for a in take})
+        applied.append(applied[-1] + sum(w.candidate.tokens for w in weighted))
         arrived.clear()
         rounds.append((r, theta, now + schedule.publish_s))
         collecting_since = now + schedule.publish_s
@@ -138,6 +141,8 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
         L, name = learners[i], names[i]
         if L.done == 0:
             L.base_round, L.base = reference(L, name, t)
+            if schedule.catch_up:
+                L.trainer.catch_up(applied[L.base_round] // (len(learners) * BATCH * block))
             L.trainer.begin(L.base)
             L.phase_started = t
         elif schedule.rebase and max(x[0] for x in rounds if x[2] <= t) > L.base_round:

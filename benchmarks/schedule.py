@@ -1,10 +1,12 @@
-"""Why learners carry their unmerged deltas: the pipeline's schedule replayed in virtual time
-(benchmarks.replay), with and without carry, against synchronous DiLoCo at the same budget.
+"""Why learners carry their unmerged deltas and catch up in the learning-rate schedule: the
+pipeline's schedule replayed in virtual time (benchmarks.replay) with each, against synchronous
+DiLoCo at the same budget.
 
 The replay runs the pipeline's quorum rule, merge plan and default outer step on its timing (one
 learner at a third of the speed, rounds visible a third of a phase after they close), but with
 a simulated clock, so the two learner behaviours are compared on one schedule, side by side, in
 minutes. The bar for the pipeline itself is measured by `quality`; these rows are the replay's.
+At 600 steps (the quality budget) it gave 1.065 with carry alone and 1.016 with catch-up too.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ def run(quick: bool) -> Result:
                                        "decoupled_rule": rule.__dict__, "sync_rule": SYNC_RULE.__dict__})
     sync = heldout.loss(sync_diloco(b, 0, h, SYNC_RULE))
     res.raw["sync"] = sync
-    for carry in (False, True):
-        theta, facts = replay(b, Schedule(h, carry=carry), rule)
-        res.raw[f"carry={carry}"] = {"loss": heldout.loss(theta), **facts}
-    res.rows.append(at_most(f"schedule replay, H={h}: decoupled without carry / sync DiLoCo",
-                            res.raw["carry=False"]["loss"] / sync, DECOUPLED_BAR,
+    variants = {"restart": Schedule(h), "carry": Schedule(h, carry=True), "carry+catch_up": Schedule(h, carry=True, catch_up=True)}
+    for label, schedule in variants.items():
+        theta, facts = replay(b, schedule, rule)
+        res.raw[label] = {"loss": heldout.loss(theta), **facts}
+    res.rows.append(at_most(f"schedule replay, H={h}: phases restarted from the round / sync DiLoCo",
+                            res.raw["restart"]["loss"] / sync, DECOUPLED_BAR,
                             "a phase started before its learner's previous delta is merged retrains from the bare "
                             "round the steps the outer step applies anyway; momentum applies that direction twice"))
-    res.rows.append(at_most(f"schedule replay, H={h}: decoupled with carry / sync DiLoCo",
-                            res.raw["carry=True"]["loss"] / sync, DECOUPLED_BAR,
+    res.rows.append(at_most(f"schedule replay, H={h}: carry / sync DiLoCo", res.raw["carry"]["loss"] / sync, DECOUPLED_BAR,
+                            "the slow learner is behind in its learning-rate schedule and sends high-rate deltas "
+                            "while the others anneal"))
+    res.rows.append(at_most(f"schedule replay, H={h}: carry and lr catch-up (the pipeline's defaults) / sync DiLoCo",
+                            res.raw["carry+catch_up"]["loss"] / sync, DECOUPLED_BAR,
                             "the slow learner's stale deltas and partial quorums under the 0.9 outer momentum"))
     return res
 

@@ -95,6 +95,9 @@ class RunConfig(BaseModel):
     )
     learner_wait_s: float = Field(0.0, ge=0, description="Longest a learner waits for a newer round before training on (0: never).")
     rebase: bool = Field(True, description="Fold a round published mid-phase into the phase in progress (fresher deltas, no waiting).")
+    lr_catch_up: bool = Field(
+        True, description="Start each phase no earlier in the inner learning-rate schedule than the learners' average progress, so a slow learner anneals with the others."
+    )
     carry: bool = Field(
         True, description="Start each phase from the learner's own weights, keeping its deltas no round has merged yet instead of retraining them."
     )

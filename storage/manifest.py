@@ -89,6 +89,7 @@ class Manifest(_Strict):
     hyper: dict[str, float | int | str]
     eval_loss: float
     timings: dict[str, float] = {}
+    tokens_applied: int = 0  # tokens of every delta merged into rounds 1…r: the run's progress
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()

@@ -109,6 +109,7 @@ class _Audit:
         self.report = AuditReport(run=run, replayed=0 if replay else None)
         self.named: dict[str, int] = {}  # delta key → the round whose manifest named it
         self.merged: dict[str, tuple[int, str]] = {}  # delta sha256 → (round, key) that merged it
+        self.applied = 0  # tokens merged into the rounds walked so far
         self.books: dict[str, Counter] = defaultdict(Counter)
 
     def problem(self, round_: int | None, key: str, what: str) -> None:
@@ -229,6 +230,10 @@ class _Audit:
         self.named.setdefault(key, r)
 
     def walk_deltas(self, r: int, m: Manifest) -> None:
+        self.applied += sum(c.tokens for c in m.contributions)
+        if m.tokens_applied and m.tokens_applied != self.applied:  # 0: written before the field existed
+            self.problem(r, layout.manifest_key(self.run_id, r), f"says {m.tokens_applied:,} tokens applied so far; "
+                         f"its contributions and its parents' add up to {self.applied:,}")
         for c in m.contributions:
             self.claim(r, c.key)
             self.books[c.learner]["applied"] += c.tokens

@@ -181,6 +181,11 @@ class InnerTrainer:
             losses=losses,
         )
 
+    def catch_up(self, step: int) -> None:
+        """Move the learning-rate schedule on to `step` if it is behind: a slow learner whose
+        peers are further along anneals with them instead of sending high-rate deltas late."""
+        self.step = max(self.step, step)
+
     def begin(self, base: dict[str, torch.Tensor]) -> None:
         """Load `base` as the local weights: a phase starts here."""
         self.model.load_state_dict(base)

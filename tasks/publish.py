@@ -103,6 +103,7 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
     manifest = Manifest(
         run=run, round=r, parent_round=parent.round, parent_sha256=parent_sha, created_at=_now(),
         model=model_ref, outer=outer_ref, update=update_ref, contributions=merged.contributions, excluded=merged.excluded,
+        tokens_applied=parent.tokens_applied + sum(c.tokens for c in merged.contributions),
         quorum=Quorum(
             min_quorum=state.config.quorum.min_quorum, max_quorum=state.config.max_quorum,
             received=len({c.learner for c in merged.contributions}),

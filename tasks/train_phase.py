@@ -56,6 +56,7 @@ class Published:
 
     params: dict[str, torch.Tensor]
     consumed: frozenset[int] = frozenset()
+    tokens_applied: int = 0  # the run's progress at round r (Manifest.tokens_applied)
 
 
 def inner_config(cfg: RunConfig) -> InnerConfig:
@@ -153,7 +154,7 @@ class LearnerSession:
                    else "checkpoint: the updates did not rebuild the published model")
         if params is None:
             params = decode_state(self.fetch(manifests[-1].model))
-        return Published(params, frozenset(consumed)), way
+        return Published(params, frozenset(consumed), manifests[-1].tokens_applied), way
 
     def rebuilt(self, manifests: list[Manifest], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """θ_h + the updates of rounds h+1…r in turn, if that encodes to the very bytes round r's
@@ -241,6 +242,8 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     held = session.rounds.held()
     start_round = held[0]
     current = [start_round]
+    if cfg.lr_catch_up:
+        session.trainer.catch_up(held[1].tokens_applied // (cfg.num_learners * session.trainer.sampler.tokens_per_batch))
     result = session.trainer.run_phase(
         session.reference(held), cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check(),
         rebase=session.rebase_offer(current),

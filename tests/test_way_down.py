@@ -95,9 +95,10 @@ def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_delt
     assert way == "checkpoint" and all(torch.equal(theta2[n], fresh[n]) for n in theta2)
 
 
-def test_a_phase_starts_from_the_learners_own_weights_until_a_round_merges_its_delta(on_stack):
+def test_a_phase_starts_from_the_learners_own_weights_and_no_earlier_in_the_schedule_than_the_run(on_stack):
     """Carry: with no newer round, phase 1 goes on from where phase 0 ended (θ_0 − δ_0), not from
-    θ_0; once round 1 has merged δ_0, the learner stands on θ_1 plus only its unmerged δ_1."""
+    θ_0; once round 1 has merged δ_0, the learner stands on θ_1 plus only its unmerged δ_1. A
+    learner that starts late begins at the run's average step of the learning-rate schedule."""
     from tasks.train_phase import train_phase
 
     run = RUN + "-carry"
@@ -120,5 +121,18 @@ def test_a_phase_starts_from_the_learners_own_weights_until_a_round_merges_its_d
         held = session.rounds.held()
         assert held[0] == 1 and held[1].consumed == {0, 1}
         assert session.reference(held) is held[1].params and session.unmerged == {}
+
+        # Round 1 applied north-0's 10 steps: the run's 2 learners are 5 steps in on average, so
+        # south-0's first phase runs at steps 5…9 of the learning-rate schedule, not 0…4.
+        tokens_per_step = session.trainer.sampler.tokens_per_batch
+        assert held[1].tokens_applied == read_manifest(stores.global_, run, 1)[0].tokens_applied == 10 * tokens_per_step
+        south = LearnerSession.open(config, run, "south-0", stores)
+        south.follow(poll_s=0.05)
+        try:
+            train_phase(south, 0)
+            assert south.trainer.step == 5 + 5
+        finally:
+            south.rounds.close()
+            south.uploads.close()
     finally:
         session.rounds.close()
