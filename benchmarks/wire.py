@@ -69,8 +69,9 @@ def ratio(run: pipeline.Run, learners: int) -> tuple[float, float, dict]:
 
 def limit(upload_only: float, facts: dict) -> str:
     return (f"learners download {facts['received_per_phase_in_checkpoints']:.2f} checkpoints per phase across "
-            f"regions (the update codec's update when one round behind, the whole checkpoint when further behind "
-            f"or on a region's first read); counting uploads alone the ratio would be {upload_only:.0f}×")
+            f"regions: every round's update (a round comes about once a phase, and an update is as large as a "
+            f"delta in the same codec), the whole checkpoint when the updates since the round held would be "
+            f"larger, or on a region's first read; counting uploads alone the ratio would be {upload_only:.0f}×")
 
 
 def run(quick: bool) -> Result:
