@@ -153,10 +153,10 @@ def run(quick: bool) -> Result:
     for k in ks:
         m = res.raw[f"k{k}"]["peak_rss_over_baseline"] / model_bytes
         res.rows.append(at_most(f"dataplane: synchronizer peak memory / model bytes, K={k}", m, 3.0,
-                                "flat in K now (deltas wait on disk, one tensor decoded at a time), but θ and the "
-                                "momentum are 2× by themselves; the remaining ~1.3× is not attributed yet "
-                                "(suspects: file pages of safetensors' mappings while checkpoints load, s3fs' "
-                                "50 MiB multipart upload parts, malloc keeping freed per-tensor buffers)"))
+                                "flat in K (deltas wait on disk, one tensor decoded at a time; the update goes "
+                                "to its file as it is made), but θ and the momentum are 2× by themselves and the "
+                                "bf16 residual 0.5×; the remaining ~0.3× is not attributed yet (suspect: the "
+                                "allocator keeping freed per-tensor buffers, such as the float64 accumulators)"))
     return res
 
 
