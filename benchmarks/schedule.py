@@ -6,7 +6,6 @@ The replay runs the pipeline's quorum rule, merge plan and default outer step on
 learner at a third of the speed, rounds visible a third of a phase after they close), but with
 a simulated clock, so the two learner behaviours are compared on one schedule, side by side, in
 minutes. The bar for the pipeline itself is measured by `quality`; these rows are the replay's.
-At 600 steps (the quality budget) it gave 1.065 with carry alone and 1.016 with catch-up too.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks import heldout
-from benchmarks.inprocess import Budget, sync_diloco
-from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE
+from benchmarks.inprocess import sync_diloco
+from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
 from benchmarks.replay import Schedule, replay
 from benchmarks.report import Result, at_most, standalone
 from flows.config import RunConfig
@@ -24,7 +23,7 @@ from tasks.merge import MergeRule
 
 def run(quick: bool) -> Result:
     torch.set_num_threads(2)
-    b, h = (Budget(steps=20, warmup=4), 5) if quick else (Budget(steps=300, warmup=50), 10)
+    b, h = budget(quick), hs(quick)[0]  # the quality part's budget and H
     m = RunConfig().merge
     rule = MergeRule(outer_lr=m.outer_lr, outer_momentum=m.outer_momentum, staleness_lambda=m.staleness_lambda,
                      max_staleness=m.max_staleness, token_cap=m.token_cap)

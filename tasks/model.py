@@ -118,6 +118,11 @@ def build_model(preset: str, seed: int) -> GPT:
         return GPT(PRESETS[preset])
 
 
+def seeded_state(preset: str, seed: int) -> dict[str, torch.Tensor]:
+    """build_model's weights as plain tensors: round 0 of a run, which anyone can make again."""
+    return {k: v.detach().clone() for k, v in build_model(preset, seed).state_dict().items()}
+
+
 def autocast_context(device: torch.device):
     """bf16 autocast on CUDA; on CPU, full float32 (bf16 matmuls are slow there and change results)."""
     if device.type == "cuda":

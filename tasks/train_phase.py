@@ -42,7 +42,7 @@ from tasks.data import BatchSampler, shard, split_held_out
 from tasks.follow import Held, RoundFollower
 from tasks.inner import InnerConfig, InnerTrainer, carried
 from tasks.merge import apply_update
-from tasks.model import build_model
+from tasks.model import build_model, seeded_state
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
@@ -147,6 +147,9 @@ class LearnerSession:
             item.phase for m in manifests for item in [*m.contributions, *m.excluded] if item.learner == self.learner
         }
         params, way = None, "checkpoint"
+        if round_ == 0:
+            params = self.seeded(manifests[-1])
+            way = "seed" if params is not None else "checkpoint"  # a warm start's round 0 is read
         updates = [m.update for m in manifests]
         if behind and all(updates) and sum(u.bytes for u in updates) < manifests[-1].model.bytes:
             params = self.rebuilt(manifests, held[1].params)
@@ -155,6 +158,13 @@ class LearnerSession:
         if params is None:
             params = decode_state(self.fetch(manifests[-1].model))
         return Published(params, frozenset(consumed), manifests[-1].tokens_applied), way
+
+    def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
+        """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
+        warm-started run's does not): a region downloads no model it can make itself."""
+        params = seeded_state(self.config.model, self.config.seed)
+        encoded = encode_state(params, checkpoint_metadata(self.run, 0))
+        return params if sha256_hex(encoded) == manifest.model.sha256 else None
 
     def rebuilt(self, manifests: list[Manifest], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """θ_h + the updates of rounds h+1…r in turn, if that encodes to the very bytes round r's
