@@ -116,6 +116,7 @@ class InnerTrainer:
         self.clock = clock
         self.sleep = sleep
         self.step = 0
+        self.lr_offset = 0  # catch_up's lead of the schedule over the steps trained
         named = list(model.named_parameters())
         # Weight decay on matrices and embeddings only, not on LayerNorm gains (nanoGPT).
         decay = [(n, p) for n, p in named if p.dim() >= 2]
@@ -183,8 +184,15 @@ class InnerTrainer:
 
     def catch_up(self, step: int) -> None:
         """Move the learning-rate schedule on to `step` if it is behind: a slow learner whose
-        peers are further along anneals with them instead of sending high-rate deltas late."""
-        self.step = max(self.step, step)
+        peers are further along anneals with them instead of sending high-rate deltas late.
+        `step` keeps counting the steps trained (the token ledger reads it); only the schedule
+        moves, and the caller sets it again each phase (it is not part of the saved state)."""
+        self.lr_offset = max(self.lr_offset, step - self.step)
+
+    @property
+    def schedule_step(self) -> int:
+        """Where the learning-rate schedule stands: steps trained, plus any catch-up."""
+        return self.step + self.lr_offset
 
     def begin(self, base: dict[str, torch.Tensor]) -> None:
         """Load `base` as the local weights: a phase starts here."""
@@ -207,7 +215,7 @@ class InnerTrainer:
 
     def train_step(self) -> float:
         """One AdamW step on the next batch, at the schedule's learning rate; returns its loss."""
-        lr = lr_at(self.step, self.cfg)
+        lr = lr_at(self.schedule_step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = self.sampler.next_batch()

@@ -132,7 +132,7 @@ def test_a_phase_starts_from_the_learners_own_weights_and_no_earlier_in_the_sche
         south.follow(poll_s=0.05)
         try:
             train_phase(south, 0)
-            assert south.trainer.step == 5 + 5
+            assert south.trainer.step == 5 and south.trainer.schedule_step == 5 + 5  # steps trained, schedule
         finally:
             south.rounds.close()
             south.uploads.close()
