@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Published:
+class HeldRound:
     """A round as a learner holds it: θ_r, and which of this learner's phases rounds ≤ r consumed."""
 
     params: dict[str, torch.Tensor]
@@ -136,7 +136,7 @@ class LearnerSession:
             if p is not None and p < newest - 1:
                 store.delete(key)
 
-    def base(self, round_: int, held: Held | None = None) -> tuple[Published, str]:
+    def base(self, round_: int, held: Held | None = None) -> tuple[HeldRound, str]:
         """Round `round_` the cheapest way given the round already `held`, and which way that was."""
         if held is not None and held[0] == round_:
             return held[1], "held"
@@ -157,7 +157,7 @@ class LearnerSession:
                    else "checkpoint: the updates did not rebuild the published model")
         if params is None:
             params = decode_state(self.fetch(manifests[-1].model))
-        return Published(params, frozenset(consumed), manifests[-1].tokens_applied), way
+        return HeldRound(params, frozenset(consumed), manifests[-1].tokens_applied), way
 
     def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
@@ -184,7 +184,7 @@ class LearnerSession:
         self.rounds = RoundFollower(lambda: latest_round(self.global_store, self.run), self.fetch_round, poll_s)
         return self.rounds.start(self.run)
 
-    def fetch_round(self, round_: int, held: Held | None) -> Published:
+    def fetch_round(self, round_: int, held: Held | None) -> HeldRound:
         """Round `round_` for the follower thread, saying when the updates could not be used."""
         published, way = self.base(round_, held)
         if way.startswith("checkpoint:"):

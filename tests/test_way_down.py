@@ -14,12 +14,12 @@ from storage.codec import encode_state
 from storage.rounds import checkpoint_metadata, read_manifest
 from storage.store import sha256_hex
 from tasks.audit import audit_run
-from tasks.train_phase import LearnerSession, Published
+from tasks.train_phase import HeldRound, LearnerSession
 
 RUN = "way-down-run"
 
 
-HELD: dict[int, tuple] = {}  # id(session) → (round, Published) it holds, as its round follower keeps it
+HELD: dict[int, tuple] = {}  # id(session) → (round, HeldRound) it holds, as its round follower keeps it
 
 
 def reads(session: LearnerSession, round_: int):
@@ -68,7 +68,7 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     # A held θ_0 that is not round 0's: the rebuilt model misses the manifest's hash; the checkpoint is read.
     off = {**theta0, "lm_head.weight": theta0["lm_head.weight"].clone()}
     off["lm_head.weight"][0, 0] += 1e-3
-    HELD[id(second)] = (0, Published(off))
+    HELD[id(second)] = (0, HeldRound(off))
     fixed, way, _, _ = reads(second, 1)
     assert way.startswith("checkpoint:") and all(torch.equal(theta1[n], fixed[n]) for n in theta1)
 
