@@ -11,10 +11,9 @@ import time
 import torch
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
-from benchmarks.inprocess import params_of
 from tasks.data import BatchSampler, shard
 from tasks.inner import InnerConfig, InnerTrainer
-from tasks.model import build_model
+from tasks.model import build_model, params_of
 
 
 def main() -> None:

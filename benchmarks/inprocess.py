@@ -16,7 +16,7 @@ from benchmarks.heldout import BATCH, PRESET, train_bytes
 from tasks.data import BatchSampler, shard
 from tasks.inner import InnerConfig, InnerTrainer
 from tasks.merge import MergeRule, merge_round
-from tasks.model import build_model
+from tasks.model import build_model, params_of
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,6 @@ class Budget:
     @property
     def tokens(self) -> int:
         return self.learners * self.steps * BATCH * build_model(PRESET, 0).config.block_size
-
-
-def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @lru_cache(maxsize=2)

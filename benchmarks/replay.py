@@ -13,11 +13,11 @@ import heapq
 from dataclasses import dataclass, field
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
-from benchmarks.inprocess import Budget, params_of
+from benchmarks.inprocess import Budget
 from tasks.data import BatchSampler, shard
 from tasks.inner import InnerConfig, InnerTrainer
 from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
-from tasks.model import build_model
+from tasks.model import build_model, params_of
 from tasks.quorum import LearnerHistory, QuorumPolicy, decide
 
 

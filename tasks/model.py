@@ -118,9 +118,9 @@ def build_model(preset: str, seed: int) -> GPT:
         return GPT(PRESETS[preset])
 
 
-def seeded_state(preset: str, seed: int) -> dict[str, torch.Tensor]:
-    """build_model's weights as plain tensors: round 0 of a run, which anyone can make again."""
-    return {k: v.detach().clone() for k, v in build_model(preset, seed).state_dict().items()}
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's weights as plain tensors of their own (`params_of(build_model(...))` is round 0)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def autocast_context(device: torch.device):

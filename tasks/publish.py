@@ -26,7 +26,7 @@ from tasks.compress import residual_state
 from tasks.crash import crash_point
 from tasks.data import evaluate
 from tasks.merge_step import Merged
-from tasks.model import build_model, seeded_state
+from tasks.model import build_model, params_of
 from tasks.round_state import RoundState, held_out_batches
 
 
@@ -64,9 +64,8 @@ def commit(stores: Stores, manifest: Manifest) -> Published:
 
 def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     """Round 0: the seeded initial model, its held-out loss, no momentum yet."""
-    params = seeded_state(config.model, config.seed)
     model = build_model(config.model, config.seed)
-    model.load_state_dict(params)
+    params = params_of(model)
     ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
     loss = evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, model.config.block_size, config.eval_batches))
     learners = [name for name, _, _ in config.learners()]

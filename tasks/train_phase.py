@@ -42,7 +42,7 @@ from tasks.data import BatchSampler, shard, split_held_out
 from tasks.follow import Held, RoundFollower
 from tasks.inner import InnerConfig, InnerTrainer, carried
 from tasks.merge import apply_update
-from tasks.model import build_model, seeded_state
+from tasks.model import build_model, params_of
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
@@ -162,7 +162,7 @@ class LearnerSession:
     def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
         warm-started run's does not): a region downloads no model it can make itself."""
-        params = seeded_state(self.config.model, self.config.seed)
+        params = params_of(build_model(self.config.model, self.config.seed))
         encoded = encode_state(params, checkpoint_metadata(self.run, 0))
         return params if sha256_hex(encoded) == manifest.model.sha256 else None
 
