@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
 from benchmarks.heldout import BATCH, PRESET, train_bytes
 from tasks.data import BatchSampler, shard
 from tasks.inner import InnerConfig, InnerTrainer
