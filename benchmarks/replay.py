@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from benchmarks.heldout import BATCH, PRESET, train_bytes
 from benchmarks.inprocess import Budget
 from tasks.data import BatchSampler, shard
-from tasks.inner import InnerConfig, InnerTrainer
+from tasks.inner import InnerConfig, InnerTrainer, carried
 from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
 from tasks.model import build_model, params_of
 from tasks.quorum import LearnerHistory, QuorumPolicy, decide
@@ -91,13 +91,10 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
         if not schedule.carry:
             return r, theta
         L.unmerged = {q: d for q, d in L.unmerged.items() if (name, q) not in settled[r]}
-        if not L.unmerged:
-            return r, theta
-        return r, {k: theta[k] - sum(d[k] for d in L.unmerged.values()) for k in theta}
+        return r, carried(theta, list(L.unmerged.values()))
 
     def synchronize(until: float) -> None:
         """Run the synchronizer's events (arrivals seen, rechecks, closes) up to time `until`."""
-        nonlocal momentum, collecting_since
         now = collecting_since
         while now <= until:
             for a in pending:
@@ -142,7 +139,7 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
         if L.done == 0:
             L.base_round, L.base = reference(L, name, t)
             if schedule.catch_up:
-                L.trainer.catch_up(applied[L.base_round] // (len(learners) * BATCH * block))
+                L.trainer.catch_up(applied[L.base_round], len(learners))
             L.trainer.begin(L.base)
             L.phase_started = t
         elif schedule.rebase and max(x[0] for x in rounds if x[2] <= t) > L.base_round:

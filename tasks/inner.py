@@ -182,12 +182,14 @@ class InnerTrainer:
             losses=losses,
         )
 
-    def catch_up(self, step: int) -> None:
-        """Move the learning-rate schedule on to `step` if it is behind: a slow learner whose
-        peers are further along anneals with them instead of sending high-rate deltas late.
-        `step` keeps counting the steps trained (the token ledger reads it); only the schedule
-        moves, and the caller sets it again each phase (it is not part of the saved state)."""
-        self.lr_offset = max(self.lr_offset, step - self.step)
+    def catch_up(self, tokens_applied: int, learners: int) -> None:
+        """Move the learning-rate schedule on to the run's average step (tokens applied over
+        `learners` learners) if it is behind: a slow learner whose peers are further along
+        anneals with them instead of sending high-rate deltas late. `step` keeps counting the
+        steps trained (the token ledger reads it); only the schedule moves, and the caller sets
+        it again each phase (it is not part of the saved state)."""
+        average = tokens_applied // (learners * self.sampler.tokens_per_batch)
+        self.lr_offset = max(self.lr_offset, average - self.step)
 
     @property
     def schedule_step(self) -> int:

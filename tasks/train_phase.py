@@ -253,7 +253,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     start_round = held[0]
     current = [start_round]
     if cfg.lr_catch_up:
-        session.trainer.catch_up(held[1].tokens_applied // (cfg.num_learners * session.trainer.sampler.tokens_per_batch))
+        session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
     result = session.trainer.run_phase(
         session.reference(held), cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check(),
         rebase=session.rebase_offer(current),
