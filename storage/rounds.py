@@ -50,6 +50,20 @@ def read_chain(store: ObjectStore, run: str, known: list[tuple[Manifest, str]] |
     return chain
 
 
+class EncodedFile(NamedTuple):
+    """An object encoded into a local file, and the sha256 of its bytes."""
+
+    path: Path
+    sha256: str
+
+
+def put_file(store: ObjectStore, key_for_sha, encoded: EncodedFile) -> ObjectRef:
+    """Upload an encoded file under its content-addressed key; a retry finds the same bytes there."""
+    key = key_for_sha(encoded.sha256)
+    store.put_or_verify(key, encoded.path, sha256=encoded.sha256)
+    return ObjectRef(key=key, sha256=encoded.sha256, bytes=encoded.path.stat().st_size)
+
+
 def put_tensors(store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> ObjectRef:
     """Write exact tensors under a content-addressed key; a retry finds the same bytes there.
 
@@ -57,23 +71,13 @@ def put_tensors(store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor
     memory beside the tensors they were made from."""
     with tempfile.TemporaryDirectory(prefix="islands-put-") as tmp:
         path = Path(tmp) / "object.safetensors"
-        sha = encode_state_file(tensors, metadata, path)
-        key = key_for_sha(sha)
-        store.put_or_verify(key, path, sha256=sha)
-        return ObjectRef(key=key, sha256=sha, bytes=path.stat().st_size)
+        return put_file(store, key_for_sha, EncodedFile(path, encode_state_file(tensors, metadata, path)))
 
 
 def checkpoint_metadata(run: str, round_: int) -> dict[str, str]:
     """The metadata of round r's model and outer state: part of the model's hash, so whoever
     rebuilds θ_r from θ_{r−1} and the update encodes it with these to compare."""
     return {"run": run, "round": str(round_)}
-
-
-class EncodedFile(NamedTuple):
-    """An object encoded into a local file, and the sha256 of its bytes."""
-
-    path: Path
-    sha256: str
 
 
 def update_metadata(run: str, round_: int, codec: str) -> dict[str, str]:
@@ -83,9 +87,8 @@ def update_metadata(run: str, round_: int, codec: str) -> dict[str, str]:
 
 def put_update(store: ObjectStore, run: str, round_: int, encoded: EncodedFile, codec: str) -> EncodedRef:
     """Upload round r's encoded update under its content address (a retry finds the same bytes)."""
-    key = layout.update_key(run, round_, encoded.sha256)
-    store.put_or_verify(key, encoded.path, sha256=encoded.sha256)
-    return EncodedRef(key=key, sha256=encoded.sha256, bytes=encoded.path.stat().st_size, codec=codec)
+    ref = put_file(store, lambda sha: layout.update_key(run, round_, sha), encoded)
+    return EncodedRef(**ref.model_dump(), codec=codec)
 
 
 def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:
