@@ -18,15 +18,13 @@ from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
 from benchmarks.replay import Schedule, replay
 from benchmarks.report import Result, at_most, standalone
 from flows.config import RunConfig
-from tasks.merge import MergeRule
+from tasks.merge_step import merge_rule
 
 
 def run(quick: bool) -> Result:
     torch.set_num_threads(2)
     b, h = budget(quick), hs(quick)[0]  # the quality part's budget and H
-    m = RunConfig().merge
-    rule = MergeRule(outer_lr=m.outer_lr, outer_momentum=m.outer_momentum, staleness_lambda=m.staleness_lambda,
-                     max_staleness=m.max_staleness, token_cap=m.token_cap)
+    rule = merge_rule(RunConfig())  # the pipeline's default outer step
     res = Result("schedule", settings={"budget": b.__dict__, "H": h, "schedule": Schedule(h).__dict__,
                                        "decoupled_rule": rule.__dict__, "sync_rule": SYNC_RULE.__dict__})
     sync = heldout.loss(sync_diloco(b, 0, h, SYNC_RULE))

@@ -12,6 +12,7 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.config import RunConfig
 from storage.codec import TensorFileWriter
 from storage.manifest import Contribution, Excluded
 from storage.rounds import EncodedFile, update_metadata
@@ -38,8 +39,9 @@ class Merged:
     eval_loss: float
 
 
-def merge_rule(state: RoundState) -> MergeRule:
-    m = state.config.merge
+def merge_rule(config: RunConfig) -> MergeRule:
+    """The run's merge settings as the pure merge's rule."""
+    m = config.merge
     return MergeRule(
         outer_lr=m.outer_lr, outer_momentum=m.outer_momentum, staleness_lambda=m.staleness_lambda,
         max_staleness=m.max_staleness, token_cap=m.token_cap,
@@ -91,7 +93,7 @@ def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
 @task(name="merge", cache_policy=NO_CACHE)
 def merge(state: RoundState, collected: Collected) -> Merged:
     log = get_run_logger()
-    rule = merge_rule(state)
+    rule = merge_rule(state.config)
     outliers = norm_outliers({a.key: a.norm for a in collected.arrivals})
     excluded = list(collected.quarantined)
     arrivals = []

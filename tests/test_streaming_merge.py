@@ -62,12 +62,12 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
         parent_momentum = {k: v.clone() for k, v in state.momentum.items()}
         arrivals = [inspect(state, region, key, len(data)) for (region, key), data in written.items()]
         assert all(isinstance(a, Arrival) for a in arrivals), arrivals
-        model, momentum, update, residual, weighted, _ = apply_merge(state, arrivals, merge_rule(state))
+        model, momentum, update, residual, weighted, _ = apply_merge(state, arrivals, merge_rule(state.config))
 
         by_learner = {a.learner: decode(written[(a.region, a.key)])[0] for a in arrivals}
         target, want_momentum = merge_round(
             parent_model, parent_momentum, [by_learner[w.candidate.learner] for w in weighted],
-            [w.weight for w in weighted], merge_rule(state),
+            [w.weight for w in weighted], merge_rule(state.config),
         )
         want_update, want_model, want_residual = encode_update(parent_model, target, {}, state.config.update_codec)
         for name in want_model:
@@ -146,7 +146,7 @@ def _peak_live_decoded_bytes(tmp_path, k: int, monkeypatch) -> tuple[int, int]:
     state, written = round_state(tmp_path / f"k{k}", k)
     arrivals = [inspect(state, region, key, len(data)) for (region, key), data in written.items()]
     assert live[0] == 0, "an arrival holds decoded tensors"
-    apply_merge(state, arrivals, merge_rule(state))
+    apply_merge(state, arrivals, merge_rule(state.config))
     state.drop_spool()
     return peak[0], max(t.numel() * 4 for t in state.model.values())
 
