@@ -1,10 +1,13 @@
 """Deltas in fewer bits: block-wise int8/int4 quantization, and error feedback.
 
-Each tensor is cut into blocks of BLOCK values; a block keeps one float32 scale (its absolute
+Each tensor is cut into blocks of BLOCK values; a block keeps one bfloat16 scale (its absolute
 maximum over the largest level) and one small integer per value, so one large value costs
-precision only in its own block. int4 packs two values per byte. Error feedback keeps what the
-quantizer dropped (the residual) and adds it to the next delta, so over many phases the sum of
-what was sent tracks the sum of the true deltas instead of drifting.
+precision only in its own block. A bfloat16 scale costs 0.25 bit per value where float32 cost
+0.5 (int4: 4.25 bits a value, not 4.5); its rounding (at most 2^-8 of the scale) is one more
+error that error feedback carries. Objects written with float32 scales still decode. int4
+packs two values per byte. Error feedback keeps what the quantizer dropped (the residual) and
+adds it to the next delta, so over many phases the sum of what was sent tracks the sum of the
+true deltas instead of drifting.
 
 The wire form is a flat dict of tensors that safetensors can store: `<name>.q` (the integers),
 `<name>.scale` and `<name>.shape`; storage.codec writes and reads it. Pure torch: no storage,
@@ -19,6 +22,8 @@ import torch
 from torch.nn import functional as F
 
 BLOCK = 64
+SCALE_DTYPE = torch.bfloat16
+SCALE_DTYPES = (torch.bfloat16, torch.float32)  # float32: objects written before scales were bf16
 BITS = {"int8": 8, "int4": 4}
 FLOAT_WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CODECS = (*FLOAT_WIRE, *BITS)
@@ -51,8 +56,8 @@ def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tens
     """(integers, per-block scales) of a float tensor; int4 integers come packed in uint8."""
     flat = t.detach().to("cpu", torch.float32).reshape(-1)
     blocks = F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
-    scale = blocks.abs().amax(dim=1) / levels(bits)
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = (blocks.abs().amax(dim=1) / levels(bits)).to(SCALE_DTYPE)
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
     q = torch.round(blocks / divisor[:, None]).clamp_(-levels(bits), levels(bits)).to(torch.int8).reshape(-1)
     return (pack_int4(q) if bits == 4 else q), scale
 
@@ -63,15 +68,15 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int
         raise ValueError(f"shape {shape} is not a tensor shape")
     numel = math.prod(shape)
     n_blocks = -(-numel // block)
-    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.numel() != n_blocks:
-        raise ValueError(f"scale must be {n_blocks} float32 values for shape {shape}, got {scale.dtype} {tuple(scale.shape)}")
+    if scale.dtype not in SCALE_DTYPES or scale.dim() != 1 or scale.numel() != n_blocks:
+        raise ValueError(f"scale must be {n_blocks} bfloat16 (or float32) values for shape {shape}, got {scale.dtype} {tuple(scale.shape)}")
     if not torch.isfinite(scale).all() or (scale < 0).any():
         raise ValueError("scale holds NaN, Inf or negative values")
     want_dtype, want_numel = (torch.uint8, n_blocks * block // 2) if bits == 4 else (torch.int8, n_blocks * block)
     if q.dtype != want_dtype or q.dim() != 1 or q.numel() != want_numel:
         raise ValueError(f"integers must be {want_numel} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}")
     ints = unpack_int4(q) if bits == 4 else q
-    values = ints.to(torch.float32).view(n_blocks, block) * scale[:, None]
+    values = ints.to(torch.float32).view(n_blocks, block) * scale.float()[:, None]
     return values.reshape(-1)[:numel].view(shape)
 
 
