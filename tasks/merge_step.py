@@ -54,8 +54,9 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
     stepped into the round state's θ and momentum in place, then the step is encoded with the
     update codec (tasks.merge.encode_update), its wire tensors go straight to the update's file,
-    and θ_r becomes θ_{r−1} + the decoded step. Memory holds θ, the momentum and the residual,
-    and one tensor of each delta, however many deltas there are."""
+    and θ_r becomes θ_{r−1} + the decoded step. Memory holds θ, the momentum and the residual
+    (the round state's is used up as the new one is made), and one tensor of each delta, however
+    many deltas there are."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
@@ -72,6 +73,7 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
             parent = param.clone()
             _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
             wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, codec)
+            state.residual.pop(name, None)  # the old residual goes as the new one comes: never both whole
             param.copy_(rebuilt)
             for key, tensor in wire.items():
                 update.add(key, tensor)
