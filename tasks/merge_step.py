@@ -15,8 +15,9 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import RunConfig
 from storage.codec import TensorFileWriter
 from storage.manifest import Contribution, Excluded
-from storage.rounds import EncodedFile, update_metadata
+from storage.rounds import EncodedFile, checkpoint_metadata, update_metadata
 from tasks.collect import Arrival, Collected
+from tasks.compress import RESIDUAL_PREFIX
 from tasks.data import evaluate
 from tasks.merge import Candidate, MergeRule, encode_update_tensor, merge_tensor_, plan_merge
 from tasks.model import GPT, PRESETS
@@ -33,7 +34,7 @@ class Merged:
     model: dict[str, torch.Tensor]  # θ_r = θ_{r−1} + decode(update)
     momentum: dict[str, torch.Tensor]
     update: EncodedFile  # the update codec's object, written while merging
-    residual: dict[str, torch.Tensor]  # what the update codec has not sent yet
+    outer: EncodedFile  # the outer state: momentum and what the update codec has not sent yet
     contributions: list[Contribution]
     excluded: list[Excluded]
     eval_loss: float
@@ -49,14 +50,15 @@ def merge_rule(config: RunConfig) -> MergeRule:
 
 
 def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
-    """(θ_r, momentum, the encoded update's file, the update codec's residual, weighted, dropped).
+    """(θ_r, momentum, the encoded update's file, the outer state's file, weighted, dropped).
 
     Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
     stepped into the round state's θ and momentum in place, then the step is encoded with the
     update codec (tasks.merge.encode_update), its wire tensors go straight to the update's file,
-    and θ_r becomes θ_{r−1} + the decoded step. Memory holds θ, the momentum and the residual
-    (the round state's is used up as the new one is made), and one tensor of each delta, however
-    many deltas there are."""
+    θ_r becomes θ_{r−1} + the decoded step, and the momentum and the codec's new residual go
+    straight to the outer state's file. Memory holds θ and the momentum (the round state's
+    residual is used up as it goes), and one tensor of each delta, however many deltas there are;
+    nothing long-lived is allocated in the loop, so freed tensors are reused, not fragmented."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
@@ -66,9 +68,10 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     files = [by_id[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
     weights = [w.weight for w in weighted]
     momentum = state.momentum if state.momentum is not None else {}
-    codec, residual = state.config.update_codec, {}
-    path = state.spool_dir / f"update-{state.round:06d}.safetensors"
-    with TensorFileWriter(path) as update:
+    codec = state.config.update_codec
+    update_path = state.spool_dir / f"update-{state.round:06d}.safetensors"
+    outer_path = state.spool_dir / f"outer-{state.round:06d}.safetensors"
+    with TensorFileWriter(update_path) as update, TensorFileWriter(outer_path) as outer:
         for name, param in state.model.items():
             parent = param.clone()
             _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
@@ -77,10 +80,15 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
             param.copy_(rebuilt)
             for key, tensor in wire.items():
                 update.add(key, tensor)
-            residual.update(left)
-        sha = update.finish(update_metadata(state.run, state.round, codec))
+            # The residual travels with the momentum, so a resumed synchronizer carries on exactly.
+            outer.add(name, momentum[name])
+            for key, tensor in left.items():
+                outer.add(RESIDUAL_PREFIX + key, tensor)
+        update_sha = update.finish(update_metadata(state.run, state.round, codec))
+        outer_sha = outer.finish(checkpoint_metadata(state.run, state.round))
     state.momentum = momentum
-    return state.model, momentum, EncodedFile(path, sha), residual, weighted, dropped
+    return (state.model, momentum, EncodedFile(update_path, update_sha), EncodedFile(outer_path, outer_sha),
+            weighted, dropped)
 
 
 def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
@@ -105,7 +113,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
                                      region=a.region, phase=a.phase, tokens=a.tokens, sha256=a.sha256))
         else:
             arrivals.append(a)
-    model, momentum, update, residual, weighted, dropped = apply_merge(state, arrivals, rule)
+    model, momentum, update, outer, weighted, dropped = apply_merge(state, arrivals, rule)
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
@@ -127,4 +135,4 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     loss = eval_loss(state, model)
     log.info("%s round %d: merged %d deltas (%s), eval loss %.4f", state.run, state.round, len(contributions),
              ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions), loss)
-    return Merged(model, momentum, update, residual, contributions, excluded, loss)
+    return Merged(model, momentum, update, outer, contributions, excluded, loss)

@@ -19,10 +19,9 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import RunConfig
 from storage import layout
 from storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
-from storage.rounds import checkpoint_metadata, put_tensors, put_update, read_manifest
+from storage.rounds import checkpoint_metadata, put_file, put_tensors, put_update, read_manifest
 from storage.store import Stores, sha256_hex
 from tasks.collect import Collected
-from tasks.compress import residual_state
 from tasks.crash import crash_point
 from tasks.data import evaluate
 from tasks.merge_step import Merged
@@ -86,9 +85,7 @@ def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, Encoded
     model_ref = put_tensors(store, lambda sha: layout.model_key(run, r, sha), merged.model, meta)
     update_ref = put_update(store, run, r, merged.update, state.config.update_codec)
     crash_point("publish.after_model", r)
-    # The residual travels with the momentum, so a resumed synchronizer carries on exactly.
-    outer = {**merged.momentum, **residual_state(merged.residual)}
-    outer_ref = put_tensors(store, lambda sha: layout.outer_key(run, r, sha), outer, meta)
+    outer_ref = put_file(store, lambda sha: layout.outer_key(run, r, sha), merged.outer)
     crash_point("publish.after_outer", r)
     return model_ref, update_ref, outer_ref
 
