@@ -9,6 +9,7 @@ Listing discovers candidates; it never decides a commit — manifests do.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -18,9 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
+import fsspec.asyn
+from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 
-CHUNK_BYTES = 16 * 2**20  # one ranged read or copied block of a large object
+CHUNK_BYTES = 16 * 2**20  # one read or copied block of a large object
+SINGLE_PUT_MAX = 5 * 2**30  # S3's limit for one PUT; larger files go up in parts
 PARTS_AT_ONCE = 4  # multipart upload parts in flight: memory is PARTS_AT_ONCE × CHUNK_BYTES, not 10 × 50 MiB
+STREAM_BREAKS = (HTTPClientError, IncompleteReadError)  # a read timeout, a reset, a short body
 _MEMORY_LOCK = threading.Lock()
 _COUNTERS: dict[str, "IOCounters"] = {}
 
@@ -39,6 +44,21 @@ class IntegrityError(StoreError):
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+async def _read_up_to(body, n: int) -> bytes:
+    """Up to `n` bytes of a streaming response body (fewer only at its end)."""
+    pieces, got = [], 0
+    while got < n and (piece := await body.read(n - got)):
+        pieces.append(piece)
+        got += len(piece)
+    return b"".join(pieces)
+
+
+def _lost_to_an_existing_object(exc: Exception) -> bool:
+    """Whether a create-only write failed because the key exists (412) or lost a race for it (409)."""
+    status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status in (409, 412) or any(s in str(exc) for s in ("PreconditionFailed", "412", "409"))
 
 
 def file_sha256(path: Path) -> str:
@@ -119,7 +139,9 @@ class ObjectStore:
                     self.fs.pipe_file(path, data.read_bytes() if isinstance(data, Path) else data)
         else:
             try:
-                if isinstance(data, Path):
+                if isinstance(data, Path) and self.protocol == "s3" and size <= SINGLE_PUT_MAX:
+                    self._s3_put_file(path, data)
+                elif isinstance(data, Path):
                     parts = {"chunksize": CHUNK_BYTES, "max_concurrency": PARTS_AT_ONCE} if self.protocol == "s3" else {}
                     self.fs.put_file(str(data), path, mode="create", **parts)
                 else:
@@ -127,15 +149,28 @@ class ObjectStore:
                 written = True
             except FileExistsError:
                 written = False
-            except OSError as exc:
-                if "PreconditionFailed" in str(exc) or "412" in str(exc) or "409" in str(exc):
-                    written = False
-                else:
+            except (OSError, ClientError) as exc:
+                if not _lost_to_an_existing_object(exc):
                     raise
+                written = False
         self.io.puts += 1
         if written:
             self.io.bytes_written += size
         return written
+
+    def _s3_put_file(self, path: str, data: Path) -> None:
+        """A create-only PUT streamed from the file: one request, nothing whole in memory, and
+        about twice as fast as a multipart upload of 16 MiB parts. botocore rewinds the file for
+        its own retries; a new attempt opens it again."""
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def put() -> None:
+            await self.fs.set_session()
+            s3 = await self.fs.get_s3(bucket)
+            with open(data, "rb") as body:
+                await s3.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+
+        fsspec.asyn.sync(self.fs.loop, put)
 
     def _link_if_absent(self, path: str, data: bytes | Path) -> bool:
         target = Path(path)
@@ -200,21 +235,56 @@ class ObjectStore:
         return data
 
     def get_chunks(self, key: str, max_bytes: int | None = None) -> Iterator[bytes]:
-        """An object's bytes in order, CHUNK_BYTES at a time (one ranged read each), so a large
-        object is never whole in memory; refuses one over `max_bytes` before and while reading."""
+        """An object's bytes in order, CHUNK_BYTES at a time, so a large object is never whole in
+        memory; refuses one over `max_bytes` before and while reading."""
         self._check_size(key, max_bytes)
         try:
-            fh = self.fs.open(self._path(key), "rb", block_size=CHUNK_BYTES, cache_type="none")
+            chunks = self._s3_chunks(key) if self.protocol == "s3" else self._file_chunks(key)
+            first = next(chunks, b"")  # opens the object: a missing one fails here, before any yield
         except FileNotFoundError as exc:
             raise ObjectMissing(f"{self.url}/{key} does not exist") from exc
         self.io.gets += 1
-        with fh:
-            read = 0
+        read = 0
+        for chunk in itertools.chain([first] if first else [], chunks):
+            read += len(chunk)
+            self.io.bytes_read += len(chunk)
+            if max_bytes is not None and read > max_bytes:
+                chunks.close()
+                raise IntegrityError(f"{self.url}/{key} grew past the {max_bytes} limit while being read")
+            yield chunk
+
+    def _s3_chunks(self, key: str) -> Iterator[bytes]:
+        """One streaming GET cut into CHUNK_BYTES pieces. A ranged GET per chunk would cost a
+        request each on S3, and a copy of the whole object each on moto's server. A stream that
+        stalls or breaks is picked up where it stopped (a ranged GET of the same ETag), up to
+        the filesystem's retry count."""
+        bucket, path, _ = self.fs.split_path(self._path(key))
+        offset, breaks, same = 0, 0, {}
+        while True:
+            try:
+                resp = self.fs.call_s3("get_object", Bucket=bucket, Key=path,
+                                       **({"Range": f"bytes={offset}-", **same} if offset else {}))
+            except OSError as exc:
+                if not offset:
+                    raise
+                raise IntegrityError(f"{self.url}/{key} changed while being read ({exc})") from exc
+            same = {"IfMatch": resp["ETag"]}
+            body = resp["Body"]
+            try:
+                while chunk := fsspec.asyn.sync(self.fs.loop, _read_up_to, body, CHUNK_BYTES):
+                    offset += len(chunk)
+                    yield chunk
+                return
+            except STREAM_BREAKS as exc:
+                breaks += 1
+                if breaks > self.fs.retries:
+                    raise StoreError(f"{self.url}/{key}: the download broke {breaks} times ({exc})") from exc
+            finally:
+                body.close()
+
+    def _file_chunks(self, key: str) -> Iterator[bytes]:
+        with self.fs.open(self._path(key), "rb", block_size=CHUNK_BYTES, cache_type="none") as fh:
             while chunk := fh.read(CHUNK_BYTES):
-                read += len(chunk)
-                self.io.bytes_read += len(chunk)
-                if max_bytes is not None and read > max_bytes:
-                    raise IntegrityError(f"{self.url}/{key} grew past the {max_bytes} limit while being read")
                 yield chunk
 
     def get_range(self, key: str, start: int, end: int) -> bytes:

@@ -7,7 +7,9 @@ import uuid
 import boto3
 import pytest
 import s3fs
+from botocore.exceptions import ResponseStreamingError
 
+import storage.store as store_module
 from storage.store import (
     IntegrityError,
     ObjectMissing,
@@ -39,6 +41,22 @@ def test_put_if_absent_writes_once_and_keeps_the_first_bytes(store):
     assert store.put_if_absent("runs/r/config.json", b"second, longer") is False
     assert store.get("runs/r/config.json") == b"first"
     assert store.size("runs/r/config.json") == 5
+
+
+@pytest.mark.parametrize("single_put_max", [None, 1000], ids=["one PUT", "in parts"])
+def test_a_file_is_put_once_and_the_first_bytes_stay(store, tmp_path, monkeypatch, single_put_max):
+    if single_put_max:  # three parts of S3's smallest part size
+        monkeypatch.setattr(store_module, "SINGLE_PUT_MAX", single_put_max)
+        monkeypatch.setattr(store_module, "CHUNK_BYTES", 5 * 2**20)
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_bytes(bytes(range(256)) * (11 * 2**12))  # 11 MiB
+    second.write_bytes(b"other" * 2**20)
+    assert store.put_if_absent("obj", first) is True
+    assert store.put_if_absent("obj", second) is False
+    assert store.get("obj") == first.read_bytes()
+    assert store.put_or_verify("obj", first) is False
+    with pytest.raises(IntegrityError, match="different content"):
+        store.put_or_verify("obj", second)
 
 
 def test_put_or_verify_is_idempotent_for_the_same_bytes(store):
@@ -76,6 +94,54 @@ def test_get_refuses_objects_over_max_bytes(store):
     assert store.get("big", max_bytes=100) == b"x" * 100
     with pytest.raises(IntegrityError, match="100 bytes, over the 99 limit"):
         store.get("big", max_bytes=99)
+
+
+def test_get_chunks_streams_an_object_in_full_chunks(store, monkeypatch):
+    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1000)
+    data = bytes(range(256)) * 14  # 3,584 bytes
+    store.put_if_absent("obj", data)
+    chunks = list(store.get_chunks("obj"))
+    assert [len(c) for c in chunks] == [1000, 1000, 1000, 584] and b"".join(chunks) == data
+    with pytest.raises(ObjectMissing, match="does not exist"):
+        list(store.get_chunks("nope"))
+
+
+def _break_once(monkeypatch, after_calls: int, before_break=lambda: None):
+    """Make the S3 download break (as a reset connection does) on read number `after_calls` + 1."""
+    real, calls = store_module._read_up_to, [0]
+
+    async def flaky(body, n):
+        calls[0] += 1
+        if calls[0] == after_calls + 1:
+            before_break()
+            raise ResponseStreamingError(error="connection reset by peer")
+        return await real(body, n)
+
+    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(store_module, "_read_up_to", flaky)
+
+
+def test_a_broken_s3_download_goes_on_where_it_stopped(s3_bucket, monkeypatch):
+    store = ObjectStore(f"s3://{s3_bucket}")
+    data = bytes(range(256)) * 14
+    store.put_if_absent("obj", data)
+    _break_once(monkeypatch, after_calls=2)
+    gets = store.io.gets
+    assert b"".join(store.get_chunks("obj")) == data
+    assert store.io.gets == gets + 1  # one object read, whatever it took
+
+
+def test_a_download_that_breaks_does_not_go_on_into_other_bytes(s3_bucket, s3_endpoint, monkeypatch):
+    store = ObjectStore(f"s3://{s3_bucket}")
+    store.put_if_absent("obj", b"a" * 3000)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+
+    def replace_object():  # another writer, while the download is broken
+        s3.put_object(Bucket=s3_bucket, Key="obj", Body=b"b" * 3000)
+
+    _break_once(monkeypatch, after_calls=1, before_break=replace_object)
+    with pytest.raises(IntegrityError, match="changed while being read"):
+        b"".join(store.get_chunks("obj"))
 
 
 def test_get_range(store):
