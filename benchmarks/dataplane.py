@@ -147,16 +147,16 @@ def run(quick: bool) -> Result:
     res.rows.append(at_least(f"dataplane: synchronizer / raw boto3 throughput, K={ks[-1]}",
                              k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
                              "per delta: two sha256 passes while spooling, a float64 norm per tensor to validate it, "
-                             "then a float64 weighted add per tensor in the merge; per checkpoint two sha256 passes "
-                             "and a file copy; all on the 2 cores moto's server also uses, and the next delta is not "
-                             "read while the current one is validated (no overlap of I/O and compute)"))
+                             "then a float64 weighted add per tensor in the merge; the update and outer state go to "
+                             "part files and are assembled before upload; all on the 2 cores moto's server also "
+                             "uses, and the next delta is not read while the current one is validated (no overlap "
+                             "of I/O and compute)"))
     for k in ks:
         m = res.raw[f"k{k}"]["peak_rss_over_baseline"] / model_bytes
         res.rows.append(at_most(f"dataplane: synchronizer peak memory / model bytes, K={k}", m, 3.0,
-                                "flat in K (deltas wait on disk, one tensor decoded at a time; the update goes "
-                                "to its file as it is made), but θ and the momentum are 2× by themselves and the "
-                                "bf16 residual 0.5×; the remaining ~0.3× is not attributed yet (suspect: the "
-                                "allocator keeping freed per-tensor buffers, such as the float64 accumulators)"))
+                                "flat in K (deltas wait on disk, one tensor decoded at a time; the update and the "
+                                "outer state go to their files as they are made), but θ and the momentum are 2× by "
+                                "themselves, and per-tensor buffers and the process's growth come on top"))
     return res
 
 

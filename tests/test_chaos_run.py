@@ -15,7 +15,7 @@ import time
 import pytest
 
 REGIONS = ["east", "west", "south"]
-ROUNDS = 8
+ROUNDS = 6
 CHAOS = ["kill:west@round2", "stall:s3@20s+20s", "crash:synchronizer@publish.after_model@round4"]
 
 

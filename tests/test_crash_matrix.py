@@ -18,13 +18,13 @@ import urllib.request
 
 import boto3
 import pytest
+from conftest import STACK_REGIONS
 
-from infra.stack import LocalStack
 from storage.store import Stores
 from tasks.audit import audit_run
 from tasks.crash import LEARNER_POINTS, POINTS
 
-REGIONS = ["north", "south"]
+REGIONS = STACK_REGIONS
 ROUNDS = 3
 H = 5
 RESULTS: dict[str, dict] = {}
@@ -36,19 +36,11 @@ def qualified(point: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("islands-home")
-    with LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)]).start(record=True) as s:
-        env = {**os.environ, **s.env(), "ISLANDS_HOME": str(home)}
-        env.pop("ISLANDS_CRASH", None)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update({k: v for k, v in s.env().items() if k.startswith("AWS_")})
-        yield s, env
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def stack(islands_stack, on_stack):
+    """The session's stack (regions north and south, as here); the matrix is printed at the end."""
+    env = {**os.environ, **on_stack}
+    env.pop("ISLANDS_CRASH", None)
+    yield islands_stack[0], env
     print_matrix()
 
 
