@@ -95,8 +95,8 @@ def measure(k: int, refs: dict, s3_url: str) -> dict:
     bad = [a.reason for a in arrivals if not isinstance(a, Arrival)]
     if bad:
         raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
-    model, momentum, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
-    written = write_objects(state, Merged(model, momentum, update, outer, [], [], float("nan")))
+    model, _, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
+    written = write_objects(state, Merged(model, update, outer, [], [], float("nan")))
     state.drop_spool()
     t2 = time.perf_counter()
     peak = vm("VmHWM")

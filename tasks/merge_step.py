@@ -32,7 +32,6 @@ class RoundFailed(RuntimeError):
 @dataclass
 class Merged:
     model: dict[str, torch.Tensor]  # θ_r = θ_{r−1} + decode(update)
-    momentum: dict[str, torch.Tensor]
     update: EncodedFile  # the update codec's object, written while merging
     outer: EncodedFile  # the outer state: momentum and what the update codec has not sent yet
     contributions: list[Contribution]
@@ -113,7 +112,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
                                      region=a.region, phase=a.phase, tokens=a.tokens, sha256=a.sha256))
         else:
             arrivals.append(a)
-    model, momentum, update, outer, weighted, dropped = apply_merge(state, arrivals, rule)
+    model, _, update, outer, weighted, dropped = apply_merge(state, arrivals, rule)
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
@@ -135,4 +134,4 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     loss = eval_loss(state, model)
     log.info("%s round %d: merged %d deltas (%s), eval loss %.4f", state.run, state.round, len(contributions),
              ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions), loss)
-    return Merged(model, momentum, update, outer, contributions, excluded, loss)
+    return Merged(model, update, outer, contributions, excluded, loss)
