@@ -16,9 +16,9 @@ from infra.process import LOOPBACK, free_port, http_status, spawn, stop_group, w
 
 # Server services the embedded stack never uses: automations (triggers), work-pool workers
 # (foreman, cleanup_reconciler), late-run marking, pauses and concurrency leases. Each polls the
-# database or reacts to every event; switched off, one crash-and-resume case of the test suite
-# took 90 s instead of 111 s on two cores. The scheduler (interval and cron schedules),
-# the task-run recorder (task runs in the UI), the event persister and cancellation cleanup stay.
+# database or reacts to every event, which on two cores slows the runs beside it. The scheduler
+# (interval and cron schedules), the task-run recorder (task runs in the UI), the event persister
+# and cancellation cleanup stay.
 UNUSED_SERVICES = ("TRIGGERS", "FOREMAN", "CLEANUP_RECONCILER", "LATE_RUNS", "PAUSE_EXPIRATIONS", "REPOSSESSOR")
 
 

@@ -159,9 +159,9 @@ class ObjectStore:
         return written
 
     def _s3_put_file(self, path: str, data: Path) -> None:
-        """A create-only PUT streamed from the file: one request, nothing whole in memory, and
-        about twice as fast as a multipart upload of 16 MiB parts. botocore rewinds the file for
-        its own retries; a new attempt opens it again."""
+        """A create-only PUT streamed from the file: one request where a multipart upload makes
+        one per part, nothing whole in memory. botocore rewinds the file for its own retries; a
+        new attempt opens it again."""
         bucket, key, _ = self.fs.split_path(path)
 
         async def put() -> None:
