@@ -10,6 +10,7 @@ which gives the same delta within float tolerance. NCCL on GPUs, gloo on CPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from pathlib import Path
 
@@ -35,26 +36,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def train_phase(args: argparse.Namespace, distributed: bool) -> None:
+    """Train one phase; rank 0 writes the delta. Returns only when every rank is done with the group."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    model = build_model(args.model, args.seed)
+    train, _ = split_held_out(read_corpus(args.corpus))
+    sampler = BatchSampler(train, args.batch_size, model.config.block_size, seed=args.seed)
+    trainer = InnerTrainer(model, sampler, InnerConfig(), device, ddp=distributed)
+    base = load_file(args.base) if args.base else {k: v.clone() for k, v in model.state_dict().items()}
+    result = trainer.run_phase(base, args.steps)
+    if trainer.rank == 0:
+        meta = {"steps": str(result.steps), "tokens": str(result.tokens), "loss": f"{result.loss:.6f}",
+                "world_size": str(trainer.world_size)}
+        save_file(result.delta, args.out, metadata=meta)
+    if distributed:
+        dist.barrier()  # no rank tears the group down while rank 0 is still writing
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     distributed = "WORLD_SIZE" in os.environ  # set by torchrun
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        model = build_model(args.model, args.seed)
-        train, _ = split_held_out(read_corpus(args.corpus))
-        sampler = BatchSampler(train, args.batch_size, model.config.block_size, seed=args.seed)
-        trainer = InnerTrainer(model, sampler, InnerConfig(), device, ddp=distributed)
-        base = load_file(args.base) if args.base else {k: v.clone() for k, v in model.state_dict().items()}
-        result = trainer.run_phase(base, args.steps)
-        if trainer.rank == 0:
-            meta = {"steps": str(result.steps), "tokens": str(result.tokens), "loss": f"{result.loss:.6f}",
-                    "world_size": str(trainer.world_size)}
-            save_file(result.delta, args.out, metadata=meta)
+        train_phase(args, distributed)
     finally:
         if distributed:
+            # DDP's reducer holds the group: free it before the group is destroyed, never at interpreter exit
+            gc.collect()
             dist.destroy_process_group()
 
 
