@@ -146,11 +146,11 @@ def run(quick: bool) -> Result:
     k_big = res.raw[f"k{ks[-1]}"]
     res.rows.append(at_least(f"dataplane: synchronizer / raw boto3 throughput, K={ks[-1]}",
                              k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
-                             "per delta: two sha256 passes while spooling, a float64 norm per tensor to validate it, "
-                             "then a float64 weighted add per tensor in the merge; the update and outer state go to "
-                             "part files and are assembled before upload; all on the 2 cores moto's server also "
-                             "uses, and the next delta is not read while the current one is validated (no overlap "
-                             "of I/O and compute)"))
+                             "per delta: two sha256 passes while spooling it to local disk and a float64 norm "
+                             "per tensor to validate it, then a float64 weighted add per tensor in the merge; the "
+                             "K deltas wait on disk (K × the model's bytes written, where the kernel's write-back "
+                             "throttles the writer), and the outputs are hashed twice before upload; all on the "
+                             "2 cores moto's server also uses"))
     for k in ks:
         m = res.raw[f"k{k}"]["peak_rss_over_baseline"] / model_bytes
         res.rows.append(at_most(f"dataplane: synchronizer peak memory / model bytes, K={k}", m, 3.0,

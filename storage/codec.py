@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from storage.store import CHUNK_BYTES
+from storage.encoded import EncodedObject, Piece, chunks_of, piece_size
 from tasks.compress import CODECS, decode_one, from_wire, to_wire, wire_plan
 
 MAX_HEADER_BYTES = 16 * 2**20
@@ -156,30 +156,33 @@ def decode_state(data: bytes) -> dict[str, torch.Tensor]:
     return st_load(data)
 
 
-def encode_state_file(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: Path) -> str:
-    """Write `encode_state`'s very bytes to `path` without holding them in memory; their sha256."""
-    with TensorFileWriter(path) as writer:
-        for name, tensor in tensors.items():
-            writer.add(name, tensor)
-        return writer.finish(metadata)
+def encode_state_object(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> EncodedObject:
+    """`encode_state`'s very bytes, read straight from the tensors' memory when uploaded: no copy
+    of them in memory or on disk. The tensors must not change until the object is uploaded."""
+    entries = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach().cpu().contiguous()
+        entries[name] = (t.dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+    return _encoded(entries, metadata)
 
 
 class TensorFileWriter:
     """`encode_state`'s very bytes for tensors that come one at a time (a merge makes them tensor
-    by tensor): each goes to a part file beside `path` as it comes, and `finish` writes them in
-    safetensors' own order behind the canonical header. Nothing is whole in memory."""
+    by tensor): each goes to a part file in `parts_dir` as it comes, and `finish` gives the object
+    as the canonical header and the part files in safetensors' own order, never assembled.
+    The parts stay until the caller removes `parts_dir` (after the upload); on an error they go."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.parts_dir = path.with_name(path.name + ".parts")
+    def __init__(self, parts_dir: Path):
+        self.parts_dir = parts_dir
         self.parts_dir.mkdir()
         self.parts: dict[str, tuple[torch.dtype, list[int], Path]] = {}
 
     def __enter__(self) -> "TensorFileWriter":
         return self
 
-    def __exit__(self, *_) -> None:
-        shutil.rmtree(self.parts_dir, ignore_errors=True)
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.parts:
@@ -190,37 +193,33 @@ class TensorFileWriter:
             fh.write(t.reshape(-1).view(torch.uint8).numpy())
         self.parts[name] = (t.dtype, list(t.shape), part)
 
-    def finish(self, metadata: dict[str, str] | None) -> str:
-        """Write the object to `path`; its sha256."""
-        # safetensors orders tensors by dtype, then name: ask it, with one-element stand-ins.
-        probe = st_save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _, _) in self.parts.items()})
-        (n,) = struct.unpack("<Q", probe[:8])
-        header: dict = {"__metadata__": metadata} if metadata else {}
-        offset, body = 0, hashlib.sha256()
-        for name, entry in json.loads(probe[8 : 8 + n]).items():
-            if name == "__metadata__":
-                continue
-            _, shape, part = self.parts[name]
-            size = part.stat().st_size
-            header[name] = {**entry, "shape": shape, "data_offsets": [offset, offset + size]}
-            offset += size
-            for chunk in _chunks(part):
-                body.update(chunk)
-        head = canonical_header(json.dumps(header).encode(), body.hexdigest())
-        whole = hashlib.sha256(head)
-        with open(self.path, "wb") as out:
-            out.write(head)
-            for name in list(header)[1 if metadata else 0 :]:
-                for chunk in _chunks(self.parts[name][2]):
-                    whole.update(chunk)
-                    out.write(chunk)
-        return whole.hexdigest()
+    def finish(self, metadata: dict[str, str] | None) -> EncodedObject:
+        return _encoded(self.parts, metadata)
 
 
-def _chunks(path: Path):
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            yield chunk
+def _encoded(entries: dict[str, tuple[torch.dtype, list[int], Piece]], metadata: dict[str, str] | None) -> EncodedObject:
+    """The object `encode_state` makes of tensors given as (dtype, shape, their bytes)."""
+    # safetensors orders tensors by dtype, then name: ask it, with one-element stand-ins.
+    probe = st_save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _, _) in entries.items()})
+    (n,) = struct.unpack("<Q", probe[:8])
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset, body = 0, []
+    for name, entry in json.loads(probe[8 : 8 + n]).items():
+        if name == "__metadata__":
+            continue
+        _, shape, piece = entries[name]
+        size = piece_size(piece)
+        header[name] = {**entry, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+        body.append(piece)
+    body_sha = hashlib.sha256()
+    for chunk in chunks_of(body):
+        body_sha.update(chunk)
+    head = canonical_header(json.dumps(header).encode(), body_sha.hexdigest())
+    whole = hashlib.sha256(head)
+    for chunk in chunks_of(body):
+        whole.update(chunk)
+    return EncodedObject((head, *body), whole.hexdigest())
 
 
 class TensorFile:

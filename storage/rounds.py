@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from storage import layout
-from storage.codec import MAX_HEADER_BYTES, TensorFile, encode_state_file, read_header
+from storage.codec import MAX_HEADER_BYTES, TensorFile, encode_state_object, read_header
+from storage.encoded import EncodedObject
 from storage.manifest import EncodedRef, Manifest, ObjectRef
 from storage.spool import spool
 from storage.store import IntegrityError, ObjectStore, sha256_hex
@@ -50,28 +50,19 @@ def read_chain(store: ObjectStore, run: str, known: list[tuple[Manifest, str]] |
     return chain
 
 
-class EncodedFile(NamedTuple):
-    """An object encoded into a local file, and the sha256 of its bytes."""
-
-    path: Path
-    sha256: str
-
-
-def put_file(store: ObjectStore, key_for_sha, encoded: EncodedFile) -> ObjectRef:
-    """Upload an encoded file under its content-addressed key; a retry finds the same bytes there."""
+def put_encoded(store: ObjectStore, key_for_sha, encoded: EncodedObject) -> ObjectRef:
+    """Upload an encoded object under its content-addressed key; a retry finds the same bytes there."""
     key = key_for_sha(encoded.sha256)
-    store.put_or_verify(key, encoded.path, sha256=encoded.sha256)
-    return ObjectRef(key=key, sha256=encoded.sha256, bytes=encoded.path.stat().st_size)
+    store.put_or_verify(key, encoded)
+    return ObjectRef(key=key, sha256=encoded.sha256, bytes=encoded.size)
 
 
 def put_tensors(store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> ObjectRef:
     """Write exact tensors under a content-addressed key; a retry finds the same bytes there.
 
-    The object is encoded into a temporary file and uploaded from it, so its bytes never sit in
-    memory beside the tensors they were made from."""
-    with tempfile.TemporaryDirectory(prefix="islands-put-") as tmp:
-        path = Path(tmp) / "object.safetensors"
-        return put_file(store, key_for_sha, EncodedFile(path, encode_state_file(tensors, metadata, path)))
+    The object is hashed and uploaded straight from the tensors' memory, so its bytes are never
+    copied into memory or to disk beside them."""
+    return put_encoded(store, key_for_sha, encode_state_object(tensors, metadata))
 
 
 def checkpoint_metadata(run: str, round_: int) -> dict[str, str]:
@@ -85,9 +76,9 @@ def update_metadata(run: str, round_: int, codec: str) -> dict[str, str]:
     return {**checkpoint_metadata(run, round_), "codec": codec}
 
 
-def put_update(store: ObjectStore, run: str, round_: int, encoded: EncodedFile, codec: str) -> EncodedRef:
+def put_update(store: ObjectStore, run: str, round_: int, encoded: EncodedObject, codec: str) -> EncodedRef:
     """Upload round r's encoded update under its content address (a retry finds the same bytes)."""
-    ref = put_file(store, lambda sha: layout.update_key(run, round_, sha), encoded)
+    ref = put_encoded(store, lambda sha: layout.update_key(run, round_, sha), encoded)
     return EncodedRef(**ref.model_dump(), codec=codec)
 
 

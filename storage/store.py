@@ -8,15 +8,17 @@ Listing discovers candidates; it never decides a commit — manifests do.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import itertools
 import os
-import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 import fsspec
 import fsspec.asyn
@@ -61,12 +63,17 @@ def _lost_to_an_existing_object(exc: Exception) -> bool:
     return status in (409, 412) or any(s in str(exc) for s in ("PreconditionFailed", "412", "409"))
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+class Stream(Protocol):
+    """An object's bytes read in order rather than held (storage.encoded.EncodedObject)."""
+
+    sha256: str
+
+    @property
+    def size(self) -> int: ...
+
+    def open(self) -> BinaryIO: ...
+
+    def chunks(self) -> Iterator[bytes | memoryview]: ...
 
 
 @dataclass
@@ -125,27 +132,26 @@ class ObjectStore:
             ) from exc
 
     # -- writes ---------------------------------------------------------------------------
-    def put_if_absent(self, key: str, data: bytes | Path) -> bool:
-        """Write `data` (bytes, or a local file's contents) at `key` unless something is there.
-        True if this call wrote it. A file is uploaded from disk, in parts when it is large."""
+    def put_if_absent(self, key: str, data: bytes | Stream) -> bool:
+        """Write `data` (bytes, or a stream of an object's pieces) at `key` unless something is
+        there. True if this call wrote it. A stream is uploaded as it is read, in parts when large."""
         path = self._path(key)
-        size = data.stat().st_size if isinstance(data, Path) else len(data)
+        size = len(data) if isinstance(data, bytes) else data.size
         if self.protocol == "file":
             written = self._link_if_absent(path, data)
         elif self.protocol == "memory":
             with _MEMORY_LOCK:
                 written = not self.fs.exists(path)
                 if written:
-                    self.fs.pipe_file(path, data.read_bytes() if isinstance(data, Path) else data)
+                    self.fs.pipe_file(path, data if isinstance(data, bytes) else b"".join(data.chunks()))
         else:
             try:
-                if isinstance(data, Path) and self.protocol == "s3" and size <= SINGLE_PUT_MAX:
-                    self._s3_put_file(path, data)
-                elif isinstance(data, Path):
-                    parts = {"chunksize": CHUNK_BYTES, "max_concurrency": PARTS_AT_ONCE} if self.protocol == "s3" else {}
-                    self.fs.put_file(str(data), path, mode="create", **parts)
-                else:
+                if isinstance(data, bytes):
                     self.fs.pipe_file(path, data, mode="create")
+                elif self.protocol == "s3" and size <= SINGLE_PUT_MAX:
+                    self._s3_put_stream(path, data)
+                else:
+                    self._put_in_parts(path, data)
                 written = True
             except FileExistsError:
                 written = False
@@ -158,31 +164,37 @@ class ObjectStore:
             self.io.bytes_written += size
         return written
 
-    def _s3_put_file(self, path: str, data: Path) -> None:
-        """A create-only PUT streamed from the file: one request where a multipart upload makes
-        one per part, nothing whole in memory. botocore rewinds the file for its own retries; a
+    def _s3_put_stream(self, path: str, data: Stream) -> None:
+        """A create-only PUT streamed from the pieces: one request where a multipart upload makes
+        one per part, nothing whole in memory. botocore rewinds the stream for its own retries; a
         new attempt opens it again."""
         bucket, key, _ = self.fs.split_path(path)
 
         async def put() -> None:
             await self.fs.set_session()
             s3 = await self.fs.get_s3(bucket)
-            with open(data, "rb") as body:
+            with data.open() as body:
                 await s3.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
 
         fsspec.asyn.sync(self.fs.loop, put)
 
-    def _link_if_absent(self, path: str, data: bytes | Path) -> bool:
+    def _put_in_parts(self, path: str, data: Stream) -> None:
+        """A create-only upload from a local file, in parts on S3 (an object over S3's one-PUT
+        limit): the stream goes to a temporary file first, which the filesystem uploads."""
+        parts = {"chunksize": CHUNK_BYTES, "max_concurrency": PARTS_AT_ONCE} if self.protocol == "s3" else {}
+        with tempfile.TemporaryDirectory(prefix="islands-put-") as tmp:
+            spilled = Path(tmp) / "object"
+            with open(spilled, "wb") as fh:
+                fh.writelines(data.chunks())
+            self.fs.put_file(str(spilled), path, mode="create", **parts)
+
+    def _link_if_absent(self, path: str, data: bytes | Stream) -> bool:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
-                if isinstance(data, Path):
-                    with open(data, "rb") as src:
-                        shutil.copyfileobj(src, fh, CHUNK_BYTES)
-                else:
-                    fh.write(data)
+                fh.writelines([data] if isinstance(data, bytes) else data.chunks())
                 fh.flush()
                 os.fsync(fh.fileno())
             os.link(tmp, target)
@@ -192,12 +204,11 @@ class ObjectStore:
         finally:
             os.unlink(tmp)
 
-    def put_or_verify(self, key: str, data: bytes | Path, sha256: str | None = None) -> bool:
-        """Put-if-absent; if the key exists it must hold these very bytes (idempotent retry).
-        `sha256` is the data's own, when the caller has it already."""
+    def put_or_verify(self, key: str, data: bytes | Stream) -> bool:
+        """Put-if-absent; if the key exists it must hold these very bytes (idempotent retry)."""
         if self.put_if_absent(key, data):
             return True
-        expected = sha256 or (file_sha256(data) if isinstance(data, Path) else sha256_hex(data))
+        expected = sha256_hex(data) if isinstance(data, bytes) else data.sha256
         existing = hashlib.sha256()
         for chunk in self.get_chunks(key):
             existing.update(chunk)
@@ -257,7 +268,8 @@ class ObjectStore:
         """One streaming GET cut into CHUNK_BYTES pieces. A ranged GET per chunk would cost a
         request each on S3, and a copy of the whole object each on moto's server. A stream that
         stalls or breaks is picked up where it stopped (a ranged GET of the same ETag), up to
-        the filesystem's retry count."""
+        the filesystem's retry count. The next chunk downloads while the caller uses this one:
+        one chunk more in memory, and the network no longer waits on hashing or the disk."""
         bucket, path, _ = self.fs.split_path(self._path(key))
         offset, breaks, same = 0, 0, {}
         while True:
@@ -270,9 +282,11 @@ class ObjectStore:
                 raise IntegrityError(f"{self.url}/{key} changed while being read ({exc})") from exc
             same = {"IfMatch": resp["ETag"]}
             body = resp["Body"]
+            ahead = self._read_ahead(body)
             try:
-                while chunk := fsspec.asyn.sync(self.fs.loop, _read_up_to, body, CHUNK_BYTES):
+                while chunk := ahead.result():
                     offset += len(chunk)
+                    ahead = self._read_ahead(body)  # downloads while the caller hashes and writes this one
                     yield chunk
                 return
             except STREAM_BREAKS as exc:
@@ -280,7 +294,12 @@ class ObjectStore:
                 if breaks > self.fs.retries:
                     raise StoreError(f"{self.url}/{key}: the download broke {breaks} times ({exc})") from exc
             finally:
+                concurrent.futures.wait([ahead])  # never close the body under a read in flight
                 body.close()
+
+    def _read_ahead(self, body) -> concurrent.futures.Future:
+        """The body's next chunk, read on the filesystem's event loop while this thread goes on."""
+        return asyncio.run_coroutine_threadsafe(_read_up_to(body, CHUNK_BYTES), self.fs.loop)
 
     def _file_chunks(self, key: str) -> Iterator[bytes]:
         with self.fs.open(self._path(key), "rb", block_size=CHUNK_BYTES, cache_type="none") as fh:

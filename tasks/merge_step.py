@@ -14,8 +14,9 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from storage.codec import TensorFileWriter
+from storage.encoded import EncodedObject
 from storage.manifest import Contribution, Excluded
-from storage.rounds import EncodedFile, checkpoint_metadata, update_metadata
+from storage.rounds import checkpoint_metadata, update_metadata
 from tasks.collect import Arrival, Collected
 from tasks.compress import RESIDUAL_PREFIX
 from tasks.data import evaluate
@@ -32,8 +33,8 @@ class RoundFailed(RuntimeError):
 @dataclass
 class Merged:
     model: dict[str, torch.Tensor]  # θ_r = θ_{r−1} + decode(update)
-    update: EncodedFile  # the update codec's object, written while merging
-    outer: EncodedFile  # the outer state: momentum and what the update codec has not sent yet
+    update: EncodedObject  # the update codec's object, written while merging
+    outer: EncodedObject  # the outer state: momentum and what the update codec has not sent yet
     contributions: list[Contribution]
     excluded: list[Excluded]
     eval_loss: float
@@ -49,13 +50,13 @@ def merge_rule(config: RunConfig) -> MergeRule:
 
 
 def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
-    """(θ_r, momentum, the encoded update's file, the outer state's file, weighted, dropped).
+    """(θ_r, momentum, the encoded update, the outer state, weighted, dropped).
 
     Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
     stepped into the round state's θ and momentum in place, then the step is encoded with the
-    update codec (tasks.merge.encode_update), its wire tensors go straight to the update's file,
+    update codec (tasks.merge.encode_update), its wire tensors go straight to the update's part files,
     θ_r becomes θ_{r−1} + the decoded step, and the momentum and the codec's new residual go
-    straight to the outer state's file. Memory holds θ and the momentum (the round state's
+    straight to the outer state's. Both objects are uploaded from their parts. Memory holds θ and the momentum (the round state's
     residual is used up as it goes), and one tensor of each delta, however many deltas there are;
     nothing long-lived is allocated in the loop, so freed tensors are reused, not fragmented."""
     weighted, dropped = plan_merge(
@@ -68,9 +69,10 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     weights = [w.weight for w in weighted]
     momentum = state.momentum if state.momentum is not None else {}
     codec = state.config.update_codec
-    update_path = state.spool_dir / f"update-{state.round:06d}.safetensors"
-    outer_path = state.spool_dir / f"outer-{state.round:06d}.safetensors"
-    with TensorFileWriter(update_path) as update, TensorFileWriter(outer_path) as outer:
+    # The parts stay in the round's spool until the round is published.
+    update_parts = state.spool_dir / f"update-{state.round:06d}.parts"
+    outer_parts = state.spool_dir / f"outer-{state.round:06d}.parts"
+    with TensorFileWriter(update_parts) as update, TensorFileWriter(outer_parts) as outer:
         for name, param in state.model.items():
             parent = param.clone()
             _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
@@ -83,11 +85,10 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
             outer.add(name, momentum[name])
             for key, tensor in left.items():
                 outer.add(RESIDUAL_PREFIX + key, tensor)
-        update_sha = update.finish(update_metadata(state.run, state.round, codec))
-        outer_sha = outer.finish(checkpoint_metadata(state.run, state.round))
+        update_object = update.finish(update_metadata(state.run, state.round, codec))
+        outer_object = outer.finish(checkpoint_metadata(state.run, state.round))
     state.momentum = momentum
-    return (state.model, momentum, EncodedFile(update_path, update_sha), EncodedFile(outer_path, outer_sha),
-            weighted, dropped)
+    return state.model, momentum, update_object, outer_object, weighted, dropped
 
 
 def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:

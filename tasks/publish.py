@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import RunConfig
 from storage import layout
 from storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
-from storage.rounds import checkpoint_metadata, put_file, put_tensors, put_update, read_manifest
+from storage.rounds import checkpoint_metadata, put_encoded, put_tensors, put_update, read_manifest
 from storage.store import Stores, sha256_hex
 from tasks.collect import Collected
 from tasks.crash import crash_point
@@ -85,7 +85,7 @@ def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, Encoded
     model_ref = put_tensors(store, lambda sha: layout.model_key(run, r, sha), merged.model, meta)
     update_ref = put_update(store, run, r, merged.update, state.config.update_codec)
     crash_point("publish.after_model", r)
-    outer_ref = put_file(store, lambda sha: layout.outer_key(run, r, sha), merged.outer)
+    outer_ref = put_encoded(store, lambda sha: layout.outer_key(run, r, sha), merged.outer)
     crash_point("publish.after_outer", r)
     return model_ref, update_ref, outer_ref
 

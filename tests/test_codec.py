@@ -1,9 +1,9 @@
 """Tensors on the wire: round trips, and every refusal of untrusted bytes as a CodecError."""
 
+import hashlib
 import json
 import os
 import pickle
-import hashlib
 import struct
 
 import pytest
@@ -13,12 +13,13 @@ from pydantic import ValidationError
 from storage.codec import (
     MAX_HEADER_BYTES,
     CodecError,
+    TensorFileWriter,
     decode,
     decode_state,
     encode,
     encode_state,
+    encode_state_object,
     read_header,
-    TensorFileWriter,
 )
 from storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
 from storage.store import sha256_hex
@@ -324,15 +325,25 @@ def test_manifest_refuses_unknown_quorum_closing():
 
 
 def test_tensors_written_one_at_a_time_give_encode_states_very_bytes(tmp_path):
-    """TensorFileWriter takes tensors in any order and any dtype mix and writes what encode_state
-    writes for the whole dict: a merge can stream an object and its sha256 still names it."""
+    """TensorFileWriter takes tensors in any order and any dtype mix and makes what encode_state
+    writes for the whole dict, as encode_state_object does from memory: a merge can stream an
+    object and its sha256 still names it."""
     tensors = {"b": torch.randn(5, dtype=torch.bfloat16), "a": torch.randn(2, 3), "c": torch.tensor(7),
                "z": torch.arange(3, dtype=torch.uint8), "e": torch.zeros(0)}
     for meta in ({"run": "r", "round": "3"}, None):
-        path = tmp_path / f"obj-{meta is None}"
-        with TensorFileWriter(path) as writer:
+        with TensorFileWriter(tmp_path / f"parts-{meta is None}") as writer:
             for name in ("z", "a", "e", "c", "b"):
                 writer.add(name, tensors[name])
-            sha = writer.finish(meta)
-        assert path.read_bytes() == encode_state(tensors, meta) and sha == sha256_hex(path.read_bytes())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["obj-False", "obj-True"]  # no part file is left
+            written = writer.finish(meta)
+        for encoded in (written, encode_state_object(tensors, meta)):
+            want = encode_state(tensors, meta)
+            assert encoded.read_bytes() == want and encoded.sha256 == sha256_hex(want) and encoded.size == len(want)
+            with encoded.open() as fh:  # the reader an upload rewinds: seek anywhere, read across pieces
+                assert fh.read() == want
+                fh.seek(5)
+                assert fh.read(len(want) - 7) == want[5:-2] and fh.tell() == len(want) - 2
+                assert fh.seek(0, 2) == len(want) and fh.read() == b""
+    with pytest.raises(RuntimeError), TensorFileWriter(tmp_path / "failed") as writer:
+        writer.add("a", tensors["a"])
+        raise RuntimeError("the merge failed")
+    assert not (tmp_path / "failed").exists()  # a failed object leaves no part file

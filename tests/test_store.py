@@ -7,9 +7,11 @@ import uuid
 import boto3
 import pytest
 import s3fs
+import torch
 from botocore.exceptions import ResponseStreamingError
 
 import storage.store as store_module
+from storage.encoded import EncodedObject
 from storage.store import (
     IntegrityError,
     ObjectMissing,
@@ -44,16 +46,20 @@ def test_put_if_absent_writes_once_and_keeps_the_first_bytes(store):
 
 
 @pytest.mark.parametrize("single_put_max", [None, 1000], ids=["one PUT", "in parts"])
-def test_a_file_is_put_once_and_the_first_bytes_stay(store, tmp_path, monkeypatch, single_put_max):
+def test_a_stream_is_put_once_and_the_first_bytes_stay(store, tmp_path, monkeypatch, single_put_max):
+    """An object made of a header, a part file and memory goes up as it is read, never assembled."""
     if single_put_max:  # three parts of S3's smallest part size
         monkeypatch.setattr(store_module, "SINGLE_PUT_MAX", single_put_max)
         monkeypatch.setattr(store_module, "CHUNK_BYTES", 5 * 2**20)
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.write_bytes(bytes(range(256)) * (11 * 2**12))  # 11 MiB
-    second.write_bytes(b"other" * 2**20)
+    part = tmp_path / "part"
+    part.write_bytes(bytes(range(256)) * (11 * 2**12))  # 11 MiB
+    body = torch.arange(2**18, dtype=torch.float32).numpy()  # 1 MiB of a tensor's memory
+    whole = b"head" + part.read_bytes() + body.tobytes()
+    first = EncodedObject((b"head", part, body), sha256_hex(whole))
+    second = EncodedObject((b"other" * 2**20,), sha256_hex(b"other" * 2**20))
     assert store.put_if_absent("obj", first) is True
     assert store.put_if_absent("obj", second) is False
-    assert store.get("obj") == first.read_bytes()
+    assert store.get("obj") == whole and store.size("obj") == first.size == len(whole)
     assert store.put_or_verify("obj", first) is False
     with pytest.raises(IntegrityError, match="different content"):
         store.put_or_verify("obj", second)

@@ -74,10 +74,10 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
             assert torch.equal(model[name], want_model[name]), name
             assert torch.equal(momentum[name], want_momentum[name]), name
         codec_u = state.config.update_codec
-        assert update.path.read_bytes() == encode_wire(want_update, update_metadata(RUN, 1, codec_u), codec_u)
-        assert update.sha256 == sha256_hex(update.path.read_bytes())
+        assert update.read_bytes() == encode_wire(want_update, update_metadata(RUN, 1, codec_u), codec_u)
+        assert update.sha256 == sha256_hex(update.read_bytes()) and update.size == len(update.read_bytes())
         want_outer = encode_state({**want_momentum, **residual_state(want_residual)}, checkpoint_metadata(RUN, 1))
-        assert outer.path.read_bytes() == want_outer and outer.sha256 == sha256_hex(want_outer)
+        assert outer.read_bytes() == want_outer and outer.sha256 == sha256_hex(want_outer)
         state.drop_spool()
 
 
