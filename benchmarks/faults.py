@@ -6,13 +6,20 @@ DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min
 waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever
 (20 s: longer than the slow learner's phase, so only the dead one is given up on).
 
-Each learner is capped to 0.4 of a core (1 thread, speed 0.4: compute, then sleep 1.5× as long),
-so four learners take 1.6 of the two cores, the synchronizer and the servers the rest, and lost
-compute shows as lost time instead of being absorbed by the others.
+Each learner's rate is capped at 0.4 of its full speed: an inner step (1 thread) takes at least
+2.5× the time one step takes at full speed, measured with the learner alone on the machine before
+the runs (`min_step_s`). Four learners then need 1.6 of the two cores, the synchronizer and the
+servers have the rest, and CPU they take delays a learner only once it eats the step's headroom.
+A killed or slowed learner removes its share instead of speeding the others up: lost compute
+shows as lost time.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import subprocess
+import sys
 from dataclasses import replace
 
 from benchmarks import pipeline
@@ -22,13 +29,28 @@ CAP = 0.4
 SLOW, KILLED = "eu-west", "ap-south"
 
 
+@functools.cache
+def full_speed_step_s() -> float:
+    """Seconds of one inner step at full speed, one learner (1 thread) alone on the machine."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bare", "--index", "0", "--steps", "30", "--inner-steps", "10"],
+                         capture_output=True, text=True, check=True)
+    bare = json.loads(out.stdout.strip().splitlines()[-1])
+    return bare["seconds"] / bare["steps"]
+
+
+def step_floor_s() -> float:
+    """A capped learner's least seconds per step."""
+    return full_speed_step_s() / CAP
+
+
 def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, float]:
     h, rounds, target = (5, 6, 4.5) if quick else (10, 45, 2.6)
-    capped = tuple((r, CAP) for r in pipeline.REGIONS)
-    faulty = tuple((r, CAP / 3 if r == SLOW else CAP) for r in pipeline.REGIONS)
+    floor = step_floor_s()
+    capped = tuple((r, floor) for r in pipeline.REGIONS)
+    faulty = tuple((r, 3 * floor if r == SLOW else floor) for r in pipeline.REGIONS)
     chaos = (f"kill:{KILLED}@round{rounds // 3}", f"restart:{KILLED}@round{2 * rounds // 3}")
-    a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=capped, warmup=2 if quick else 50)
-    b = replace(a, name="fb", speed=faulty, chaos=chaos)
+    a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=(), min_step_s=capped, warmup=2 if quick else 50)
+    b = replace(a, name="fb", min_step_s=faulty, chaos=chaos)
     c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, rebase=False, round_timeout_s=20.0)
     return a, b, c, target
 
@@ -49,7 +71,8 @@ def compute_ratio(quick: bool) -> float:
 
 def run(quick: bool) -> Result:
     a, b, c, target = specs(quick)
-    res = Result("faults", settings={"target_loss": target, "cap": CAP, "slow": SLOW, "killed": KILLED,
+    res = Result("faults", settings={"target_loss": target, "cap": CAP, "full_speed_step_s": full_speed_step_s(),
+                                     "slow": SLOW, "killed": KILLED,
                                      "a": a.config(), "b": {**b.config(), "chaos": b.chaos}, "c": {**c.config(), "chaos": c.chaos}})
     ta = pipeline.run(a).seconds_to_loss(target)
     res.raw["a_seconds"] = ta

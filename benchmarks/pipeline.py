@@ -62,6 +62,7 @@ class Spec:
     codec: str = "fp32"
     update_codec: str = "bf16"
     speed: tuple[tuple[str, float], ...] = (("eu-west", 1 / 3),)
+    min_step_s: tuple[tuple[str, float], ...] = ()
     min_quorum: int = 2
     learner_wait_s: float = 0.0
     rebase: bool = True
@@ -76,7 +77,7 @@ class Spec:
         return {
             "run_id": f"b-{self.name}-{hashlib.sha1(repr(self).encode()).hexdigest()[:6]}", "regions": list(REGIONS), "rounds": self.rounds,
             "inner_steps": self.inner_steps, "model": PRESET, "corpus": CORPUS, "seed": self.seed,
-            "speed": dict(self.speed), "codec": self.codec, "update_codec": self.update_codec, "eval_batches": EVAL_BATCHES, "learner_wait_s": self.learner_wait_s,
+            "speed": dict(self.speed), "min_step_s": dict(self.min_step_s), "codec": self.codec, "update_codec": self.update_codec, "eval_batches": EVAL_BATCHES, "learner_wait_s": self.learner_wait_s,
             "rebase": self.rebase, "carry": self.carry,
             "inner": {"batch_size": BATCH, "warmup_steps": self.warmup, "total_steps": self.total_steps},
             "quorum": {"min_quorum": self.min_quorum, "round_timeout_s": self.round_timeout_s},

@@ -1,7 +1,8 @@
 """Learner utilization: tokens/s of the learners inside the pipeline against the same inner loop
-run bare (benchmarks.bare: no Prefect, no S3), with the same processes, threads and speed cap,
-in the same benchmark run. A learner's pipeline time runs from its first phase's start to its
-last delta written, so waiting, downloads and uploads all count against it.
+run bare (benchmarks.bare: no Prefect, no S3), with the same processes, threads and rate cap (the
+same floor on a step's time), in the same benchmark run. A learner's pipeline time runs from its
+first phase's start to its last delta written, so waiting, downloads and uploads all count
+against it.
 """
 
 from __future__ import annotations
@@ -12,26 +13,32 @@ import sys
 from collections import defaultdict
 
 from benchmarks import pipeline
-from benchmarks.faults import CAP, specs
+from benchmarks.faults import CAP, full_speed_step_s, specs, step_floor_s
 from benchmarks.report import Result, at_least, standalone
 
 
-def pipeline_rate(run: pipeline.Run) -> tuple[float, dict]:
+def pipeline_rate(run: pipeline.Run) -> tuple[float, dict, dict]:
+    """(tokens/s of all learners, each learner's, where each learner's time went)."""
     by: dict[str, list[pipeline.Delta]] = defaultdict(list)
     for d in run.deltas:
         by[d.learner].append(d)
-    rates = {}
+    rates, spent = {}, {}
     for learner, ds in by.items():
         start = min(d.finished_at - d.seconds for d in ds)
         end = max(d.finished_at for d in ds)
-        rates[learner] = sum(d.tokens for d in ds) / (end - start)
-    return sum(rates.values()), rates
+        tokens, training = sum(d.tokens for d in ds), sum(d.seconds for d in ds)
+        rates[learner] = tokens / (end - start)
+        # Inside phases (steps, their floor and rebases) against between them (the Prefect task
+        # run, encoding, the next round's choice).
+        spent[learner] = {"phases": len(ds), "in_phases_s": training, "between_phases_s": end - start - training,
+                          "in_phase_tokens_per_s": tokens / training}
+    return sum(rates.values()), rates, spent
 
 
-def bare_rate(learners: int, steps: int, h: int, speed: float) -> tuple[float, list[dict]]:
+def bare_rate(learners: int, steps: int, h: int, min_step_s: float) -> tuple[float, list[dict]]:
     procs = [
         subprocess.Popen([sys.executable, "-m", "benchmarks.bare", "--index", str(i), "--learners", str(learners),
-                          "--steps", str(steps), "--inner-steps", str(h), "--speed", str(speed)],
+                          "--steps", str(steps), "--inner-steps", str(h), "--min-step-s", str(min_step_s)],
                          stdout=subprocess.PIPE, text=True)
         for i in range(learners)
     ]
@@ -42,11 +49,13 @@ def bare_rate(learners: int, steps: int, h: int, speed: float) -> tuple[float, l
 def run(quick: bool) -> Result:
     spec = specs(quick)[0]  # no faults, every learner capped alike
     pipe = pipeline.run(spec)
-    ours, per_learner = pipeline_rate(pipe)
+    ours, per_learner, spent = pipeline_rate(pipe)
     steps = max(1, sum(d.tokens for d in pipe.deltas) // len(per_learner) // (pipe.deltas[0].tokens // spec.inner_steps))
-    bare, outs = bare_rate(len(per_learner), steps, spec.inner_steps, CAP)
-    res = Result("utilization", settings={"spec": spec.config(), "threads": 1, "speed_cap": CAP, "bare_steps": steps},
-                 raw={"pipeline_tokens_per_s": ours, "per_learner": per_learner, "bare_tokens_per_s": bare, "bare": outs})
+    bare, outs = bare_rate(len(per_learner), steps, spec.inner_steps, step_floor_s())
+    res = Result("utilization", settings={"spec": spec.config(), "threads": 1, "speed_cap": CAP, "bare_steps": steps,
+                                          "full_speed_step_s": full_speed_step_s(), "min_step_s": step_floor_s()},
+                 raw={"pipeline_tokens_per_s": ours, "per_learner": per_learner, "time_per_learner": spent,
+                      "bare_tokens_per_s": bare, "bare": outs})
     res.rows.append(at_least("utilization: learner tokens/s in the pipeline / bare", ours / bare, 0.95,
                              "per-phase costs left on the learner's path: the Prefect task run, encoding the delta "
                              "and state, and the CPU the synchronizer, the Prefect server and moto take from the "

@@ -81,6 +81,9 @@ class RunConfig(BaseModel):
     speed: dict[str, float] = Field(
         DEMO_SPEED, description="Per-region compute speed (1 = full); a slower region really takes longer."
     )
+    min_step_s: dict[str, float] = Field(
+        {}, description="Per-region floor on an inner step's wall time, in seconds: a learner that computes a step faster waits out the rest, so its rate stays capped whatever else the machine runs."
+    )
     codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
         "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4 with one scale per 64 values."
     )
@@ -143,12 +146,16 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         n = self.num_learners
-        unknown = sorted(set(self.speed) - set(self.regions))
-        if unknown:
-            raise ValueError(f"speed: unknown region {unknown[0]!r}; regions are {', '.join(self.regions)}")
+        for field, per_region in (("speed", self.speed), ("min_step_s", self.min_step_s)):
+            unknown = sorted(set(per_region) - set(self.regions))
+            if unknown:
+                raise ValueError(f"{field}: unknown region {unknown[0]!r}; regions are {', '.join(self.regions)}")
         slow = {r: f for r, f in self.speed.items() if not 0 < f <= 1}
         if slow:
             raise ValueError(f"speed: {slow} must be in (0, 1]")
+        negative = {r: s for r, s in self.min_step_s.items() if not s >= 0}
+        if negative:
+            raise ValueError(f"min_step_s: {negative} must be seconds >= 0")
         if self.quorum.min_quorum > n:
             raise ValueError(f"quorum.min_quorum: {self.quorum.min_quorum} is more than the {n} learners; lower it or add learners")
         if self.quorum.max_quorum is not None and not self.quorum.min_quorum <= self.quorum.max_quorum <= n:

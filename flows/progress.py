@@ -19,6 +19,8 @@ class ProgressView:
 
     def header(self, newest: Manifest, config: RunConfig) -> None:
         slow = ", ".join(f"{r}×{f:g}" for r, f in config.speed.items()) or "none"
+        if config.min_step_s:
+            slow += "; steps of at least " + ", ".join(f"{r} {s:.3g} s" for r, s in config.min_step_s.items())
         self.console.print(
             f"[bold]{self.run}[/]: {config.num_learners} learners in {', '.join(config.regions)} "
             f"(slowed: {slow}); H={config.inner_steps}, Q_min={config.quorum.min_quorum}, "

@@ -137,6 +137,7 @@ class InnerTrainer:
         base: dict[str, torch.Tensor],
         steps: int,
         slowdown: float = 1.0,
+        min_step_s: float = 0.0,
         on_step: Callable[[int, float], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         rebase: Callable[[], dict[str, torch.Tensor] | None] | None = None,
@@ -144,7 +145,9 @@ class InnerTrainer:
         """Train `steps` inner steps from base and return base − local.
 
         slowdown > 1 stands in for a slower region: after each step the trainer sleeps
-        (slowdown − 1) × that step's compute time. on_step gets (total inner steps so far, loss).
+        (slowdown − 1) × that step's compute time. min_step_s caps the rate instead: a step that
+        took less wall time sleeps out the rest, so CPU taken by other processes delays the
+        learner only once it eats the whole headroom (with both, the longer wait). on_step gets (total inner steps so far, loss).
         should_stop is asked before each step; the result then covers only the steps done.
         rebase is asked before each step too: when it returns a newer global model, the outer
         update (newer − base) is added to the local weights and the phase goes on from there, so
@@ -154,6 +157,8 @@ class InnerTrainer:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if slowdown < 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 is full speed), got {slowdown}")
+        if not min_step_s >= 0:
+            raise ValueError(f"min_step_s must be seconds >= 0, got {min_step_s}")
         self.begin(base)
         losses: list[float] = []
         started = self.clock()
@@ -169,8 +174,9 @@ class InnerTrainer:
             losses.append(loss)
             if on_step is not None:
                 on_step(self.step, loss)
-            if slowdown > 1.0:
-                self.sleep((slowdown - 1.0) * compute_seconds)
+            wait = max((slowdown - 1.0) * compute_seconds, min_step_s - compute_seconds)
+            if wait > 0:
+                self.sleep(wait)
         seconds = self.clock() - started
         delta = self.delta(base)
         return PhaseResult(

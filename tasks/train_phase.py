@@ -255,7 +255,8 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     if cfg.lr_catch_up:
         session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
     result = session.trainer.run_phase(
-        session.reference(held), cfg.inner_steps, slowdown=cfg.slowdown(session.region), should_stop=session.stop_check(),
+        session.reference(held), cfg.inner_steps, slowdown=cfg.slowdown(session.region),
+        min_step_s=cfg.min_step_s.get(session.region, 0.0), should_stop=session.stop_check(),
         rebase=session.rebase_offer(current),
     )
     base_round = session.last_base = current[0]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+from pydantic import ValidationError
 import s3fs
 
 from flows import cli
@@ -50,6 +51,14 @@ def test_slowdown():
     assert cfg.slowdown("us-east") == 1.0
     assert cfg.slowdown("ap-south") == 1.0
     assert RunConfig().slowdown("eu-west") == pytest.approx(1 / 0.33)
+
+
+def test_step_floor_names_known_regions_and_seconds():
+    assert RunConfig(min_step_s={"eu-west": 0.5}).min_step_s == {"eu-west": 0.5}
+    with pytest.raises(ValidationError, match="min_step_s: unknown region 'mars'"):
+        RunConfig(min_step_s={"mars": 0.5})
+    with pytest.raises(ValidationError, match="must be seconds >= 0"):
+        RunConfig(min_step_s={"eu-west": -1.0})
 
 
 def test_load_config_file_with_nested_overrides(tmp_path):

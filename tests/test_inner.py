@@ -150,6 +150,28 @@ def test_slowdown_sleeps_for_the_extra_time_of_each_step():
         trainer.run_phase(base_weights(), steps=1, slowdown=0.5)
 
 
+def test_a_step_floor_caps_the_rate_whatever_the_compute_took():
+    """min_step_s is a rate cap, not a slowdown: a step slowed by other processes eats into the
+    headroom instead of adding to the wait."""
+    now, sleeps = [0.0], []
+    computes = iter([0.25, 0.5, 1.5, 0.25])
+    trainer = make_trainer(clock=lambda: now[0], sleep=sleeps.append)
+    train_step = trainer.train_step
+
+    def step_taking_the_next_compute_time() -> float:
+        now[0] += next(computes)
+        return train_step()
+
+    trainer.train_step = step_taking_the_next_compute_time
+    trainer.run_phase(base_weights(), steps=4, min_step_s=1.0)
+    assert sleeps == [0.75, 0.5, 0.75]  # a 1.5 s step waits for nothing and carries no debt
+    computes = iter([0.25])
+    trainer.run_phase(base_weights(), steps=1, slowdown=5.0, min_step_s=1.0)
+    assert sleeps[-1] == pytest.approx(1.0)  # with both, the longer wait: 4 × 0.25 s
+    with pytest.raises(ValueError, match="min_step_s"):
+        trainer.run_phase(base_weights(), steps=1, min_step_s=-1.0)
+
+
 def test_state_dict_is_flat_and_safetensors_ready():
     trainer = make_trainer()
     trainer.run_phase(base_weights(), steps=2)
