@@ -147,7 +147,8 @@ class InnerTrainer:
         slowdown > 1 stands in for a slower region: after each step the trainer sleeps
         (slowdown − 1) × that step's compute time. min_step_s caps the rate instead: a step that
         took less wall time sleeps out the rest, so CPU taken by other processes delays the
-        learner only once it eats the whole headroom (with both, the longer wait). on_step gets (total inner steps so far, loss).
+        learner only once it eats the whole headroom (with both, the longer wait).
+        on_step gets (total inner steps so far, loss).
         should_stop is asked before each step; the result then covers only the steps done.
         rebase is asked before each step too: when it returns a newer global model, the outer
         update (newer − base) is added to the local weights and the phase goes on from there, so

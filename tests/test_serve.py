@@ -79,7 +79,8 @@ def test_a_scheduled_run_leaves_its_artifacts(served, scheduled_run):
     found = api.artifacts(run_id)
     assert {f"{run_id}-round-001", f"{run_id}-round-001-manifest", f"{run_id}-progress", f"{run_id}-report"} <= set(found)
     table = json.loads(found[f"{run_id}-round-001"]["data"])
-    assert [row["learner"] for row in table] == ["solo-0"] and table[0]["status"] == "merged"
+    # The learner never waits, so a second 4-step phase may be in before the round closes.
+    assert table and all(row["learner"] == "solo-0" and row["status"] == "merged" for row in table)
     assert found[f"{run_id}-progress"]["data"] == 100.0
     report = found[f"{run_id}-report"]["data"]
     assert "data:image/svg+xml;base64," in report and "## Quorum decisions" in report
@@ -114,7 +115,7 @@ def test_status_of_the_finished_scheduled_run(served, scheduled_run):
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     assert status["state"] == "finished" and status["rounds_published"] == 1
-    assert status["rounds"][0]["contributors"] == ["solo-0@s0"]
+    assert status["rounds"][0]["contributors"] and set(status["rounds"][0]["contributors"]) == {"solo-0@s0"}
     assert status["learners"][0]["status"] == "done" and status["learners"][0]["flow_run"] == "COMPLETED"
 
 
