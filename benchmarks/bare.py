@@ -1,5 +1,5 @@
 """One learner's inner loop with nothing around it: no Prefect, no S3, same model, data, threads
-and speed cap as a pipeline learner. Prints {"tokens": …, "steps": …, "seconds": …} as one JSON line.
+and rate cap (`--min-step-s`) as a pipeline learner. Prints {"tokens": …, "steps": …, "seconds": …} as one JSON line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ def main() -> None:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--inner-steps", type=int, required=True)
-    p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--min-step-s", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -33,7 +32,7 @@ def main() -> None:
     trainer = InnerTrainer(model, sampler, InnerConfig())
     t0, tokens, steps, theta = time.perf_counter(), 0, 0, params_of(model)
     while tokens < args.steps * sampler.tokens_per_batch:
-        result = trainer.run_phase(theta, args.inner_steps, slowdown=1 / args.speed, min_step_s=args.min_step_s)
+        result = trainer.run_phase(theta, args.inner_steps, min_step_s=args.min_step_s)
         theta = {k: theta[k] - result.delta[k] for k in theta}
         tokens, steps = tokens + result.tokens, steps + result.steps
     print(json.dumps({"tokens": tokens, "steps": steps, "seconds": time.perf_counter() - t0}))

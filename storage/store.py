@@ -179,8 +179,8 @@ class ObjectStore:
         fsspec.asyn.sync(self.fs.loop, put)
 
     def _put_in_parts(self, path: str, data: Stream) -> None:
-        """A create-only upload from a local file, in parts on S3 (an object over S3's one-PUT
-        limit): the stream goes to a temporary file first, which the filesystem uploads."""
+        """A create-only upload through a temporary file: in parts on S3 (an object over S3's
+        one-PUT limit), the filesystem's own upload elsewhere."""
         parts = {"chunksize": CHUNK_BYTES, "max_concurrency": PARTS_AT_ONCE} if self.protocol == "s3" else {}
         with tempfile.TemporaryDirectory(prefix="islands-put-") as tmp:
             spilled = Path(tmp) / "object"
