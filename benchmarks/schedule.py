@@ -42,7 +42,7 @@ def run(quick: bool) -> Result:
                             "while the others anneal"))
     res.rows.append(at_most(f"schedule replay, H={h}: carry and lr catch-up (the pipeline's defaults) / sync DiLoCo",
                             res.raw["carry+catch_up"]["loss"] / sync, DECOUPLED_BAR,
-                            "the slow learner's stale deltas and partial quorums under the 0.9 outer momentum"))
+                            "the slow learner's stale deltas and partial quorums under the outer momentum"))
     return res
 
 

@@ -43,10 +43,10 @@ class InnerSettings(_Section):
 class MergeSettings(_Section):
     """How the synchronizer turns the deltas that arrived into one outer step."""
 
-    outer_lr: float = Field(
-        0.5, gt=0, le=2, description="Outer Nesterov learning rate η (damped below the papers' 0.7 for partial, stale quorums)."
+    outer_lr: float = Field(0.7, gt=0, le=2, description="Outer Nesterov learning rate η (the papers' 0.7).")
+    outer_momentum: float = Field(
+        0.8, ge=0, lt=1, description="Outer Nesterov momentum μ (0.8 beat the papers' 0.9 here, stale deltas or not)."
     )
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum μ.")
     staleness_lambda: float = Field(0.5, ge=0, description="Weight = tokens / (1 + λ·staleness).")
     max_staleness: int = Field(4, ge=0, description="Deltas staler than this many rounds are dropped (recorded).")
     token_cap: float = Field(2.0, ge=1, description="A token claim counts at most this × the median of its peers.")

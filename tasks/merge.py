@@ -22,8 +22,8 @@ RESIDUAL_DTYPE = torch.bfloat16  # the synchronizer's error-feedback residual
 
 @dataclass(frozen=True)
 class MergeRule:
-    outer_lr: float = 0.5
-    outer_momentum: float = 0.9
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.8
     staleness_lambda: float = 0.5
     max_staleness: int = 4
     token_cap: float = 2.0  # a claim counts at most token_cap × the median claim of the other candidates

@@ -57,13 +57,16 @@ def check_names(names: Iterable[str], reference: dict[str, torch.Tensor]) -> str
 
 def check_tensor(name: str, t: torch.Tensor, ref: torch.Tensor) -> tuple[str | None, float]:
     """(reason or None, the tensor's L2 norm) for one tensor of a delta: the model's shape, a
-    float dtype, finite values. The norm is taken in float64, where the squares of finite float32
-    values cannot overflow, so it is finite exactly when every value is: one pass does both."""
+    float dtype, finite values. The norm is finite exactly when every value is, so one pass does
+    both: in the tensor's own dtype first (fast), and again in float64, where squares of finite
+    values cannot overflow, only when that overflowed."""
     if tuple(t.shape) != tuple(ref.shape):
         return f"wrong shape for {name}: {tuple(t.shape)} instead of {tuple(ref.shape)}", 0.0
     if not t.is_floating_point():
         return f"wrong dtype for {name}: {t.dtype}", 0.0
-    norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+    norm = float(torch.linalg.vector_norm(t))
+    if not math.isfinite(norm):
+        norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
     if not math.isfinite(norm):
         return f"non-finite values (NaN or Inf) in {name}", norm
     return None, norm
