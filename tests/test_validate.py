@@ -117,6 +117,13 @@ def test_non_finite_values(bad):
     assert reason == "non-finite values (NaN or Inf) in head.weight"
 
 
+def test_huge_finite_values_are_not_called_non_finite():
+    """Their squares overflow float32, so the norm is taken again in float64."""
+    t = torch.full((3, 4), 1e30)
+    reason, norm = check_tensor("head.weight", t, reference()["head.weight"])
+    assert reason is None and math.isclose(norm, 1e30 * math.sqrt(12), rel_tol=1e-6)
+
+
 # -- norms --------------------------------------------------------------------------------------
 
 def test_global_norm():
