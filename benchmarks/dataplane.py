@@ -146,8 +146,8 @@ def run(quick: bool) -> Result:
     k_big = res.raw[f"k{ks[-1]}"]
     res.rows.append(at_least(f"dataplane: synchronizer / raw boto3 throughput, K={ks[-1]}",
                              k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
-                             "per delta: two sha256 passes while spooling it to local disk and a float64 norm "
-                             "per tensor to validate it, then a float64 weighted add per tensor in the merge; the "
+                             "per delta: two sha256 passes while spooling it to local disk and a norm per "
+                             "tensor to validate it, then a float64 weighted add per tensor in the merge; the "
                              "K deltas wait on disk (K × the model's bytes written, where the kernel's write-back "
                              "throttles the writer), and the outputs are hashed twice before upload; all on the "
                              "2 cores moto's server also uses"))
