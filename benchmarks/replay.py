@@ -18,6 +18,7 @@ from tasks.data import BatchSampler, shard
 from tasks.inner import InnerConfig, InnerTrainer, carried
 from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
 from tasks.model import build_model, params_of
+from tasks.pace import phase_steps
 from tasks.quorum import LearnerHistory, QuorumPolicy, decide
 
 
@@ -32,6 +33,10 @@ class Schedule:
     rebase: bool = True
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
     catch_up: bool = False  # a phase starts no earlier in the lr schedule than the learners' average progress
+    paced: bool = False  # a phase's steps scale with the learner's rate (tasks.pace)
+
+    def phase_steps(self, speed: float) -> int:
+        return phase_steps(self.h, speed, list(self.speeds)) if self.paced else self.h
 
 
 @dataclass
@@ -150,9 +155,9 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
         L.done += 1
         trained_steps += 1
         t_end = t + schedule.step_s / L.speed
-        if L.done == schedule.h:
+        if L.done == schedule.phase_steps(L.speed):
             delta = L.trainer.delta(L.base)
-            pending.append(_Arrival(t_end, name, L.phase, L.base_round, schedule.h * BATCH * block,
+            pending.append(_Arrival(t_end, name, L.phase, L.base_round, L.done * BATCH * block,
                                     t_end - L.phase_started, delta))
             L.unmerged[L.phase] = delta
             L.done, L.phase = 0, L.phase + 1

@@ -99,10 +99,13 @@ class RunConfig(BaseModel):
     learner_wait_s: float = Field(0.0, ge=0, description="Longest a learner waits for a newer round before training on (0: never).")
     rebase: bool = Field(True, description="Fold a round published mid-phase into the phase in progress (fresher deltas, no waiting).")
     lr_catch_up: bool = Field(
-        True, description="Start each phase no earlier in the inner learning-rate schedule than the learners' average progress, so a slow learner anneals with the others."
+        True, description="Start each phase at the learners' average progress in the inner learning-rate schedule, so a slow learner anneals with the others and a fast one does not anneal early."
     )
     carry: bool = Field(
         True, description="Start each phase from the learner's own weights, keeping its deltas no round has merged yet instead of retraining them."
+    )
+    paced: bool = Field(
+        True, description="Scale a phase's inner steps to the learner's rate: H for the fastest learners, H × its rate / the fastest's for a slower one, so phases end together and each round gets every learner's delta."
     )
     torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
     eval_batches: int = Field(16, gt=0, description="Held-out batches the synchronizer evaluates each round.")

@@ -116,7 +116,7 @@ class InnerTrainer:
         self.clock = clock
         self.sleep = sleep
         self.step = 0
-        self.lr_offset = 0  # catch_up's lead of the schedule over the steps trained
+        self.lr_offset = 0  # catch_up's lead (or lag) of the schedule against the steps trained
         named = list(model.named_parameters())
         # Weight decay on matrices and embeddings only, not on LayerNorm gains (nanoGPT).
         decay = [(n, p) for n, p in named if p.dim() >= 2]
@@ -190,17 +190,17 @@ class InnerTrainer:
         )
 
     def catch_up(self, tokens_applied: int, learners: int) -> None:
-        """Move the learning-rate schedule on to the run's average step (tokens applied over
-        `learners` learners) if it is behind: a slow learner whose peers are further along
-        anneals with them instead of sending high-rate deltas late. `step` keeps counting the
-        steps trained (the token ledger reads it); only the schedule moves, and the caller sets
-        it again each phase (it is not part of the saved state)."""
-        average = tokens_applied // (learners * self.sampler.tokens_per_batch)
-        self.lr_offset = max(self.lr_offset, average - self.step)
+        """Put the learning-rate schedule at the run's average step (tokens applied over
+        `learners` learners), ahead of or behind this learner's own steps: a slow learner whose
+        peers are further along anneals with them instead of sending high-rate deltas late, and
+        a fast one that trains more than its share (paced phases) does not anneal early. `step`
+        keeps counting the steps trained (the token ledger reads it); only the schedule moves,
+        and the caller sets it again each phase (it is not part of the saved state)."""
+        self.lr_offset = tokens_applied // (learners * self.sampler.tokens_per_batch) - self.step
 
     @property
     def schedule_step(self) -> int:
-        """Where the learning-rate schedule stands: steps trained, plus any catch-up."""
+        """Where the learning-rate schedule stands: steps trained, moved by any catch-up."""
         return self.step + self.lr_offset
 
     def begin(self, base: dict[str, torch.Tensor]) -> None:

@@ -43,6 +43,7 @@ from tasks.follow import Held, RoundFollower
 from tasks.inner import InnerConfig, InnerTrainer, carried
 from tasks.merge import apply_update
 from tasks.model import build_model, params_of
+from tasks.pace import phase_steps
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
@@ -57,6 +58,7 @@ class HeldRound:
     params: dict[str, torch.Tensor]
     consumed: frozenset[int] = frozenset()
     tokens_applied: int = 0  # the run's progress at round r (Manifest.tokens_applied)
+    rates: dict[str, float] = field(default_factory=dict)  # learner → tokens/s of its newest merged phase
 
 
 def inner_config(cfg: RunConfig) -> InnerConfig:
@@ -85,6 +87,7 @@ class LearnerSession:
     uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
     unmerged: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # phase → delta no round holds yet
+    rate: float | None = None  # tokens/s of this learner's last phase (tasks.pace)
 
     @property
     def global_store(self) -> ObjectStore:
@@ -146,6 +149,8 @@ class LearnerSession:
         consumed = (held[1].consumed if behind else frozenset()) | {
             item.phase for m in manifests for item in [*m.contributions, *m.excluded] if item.learner == self.learner
         }
+        rates = dict(held[1].rates) if behind else {}
+        rates.update({c.learner: c.tokens / c.seconds for m in manifests for c in m.contributions if c.seconds > 0})
         params, way = None, "checkpoint"
         if round_ == 0:
             params = self.seeded(manifests[-1])
@@ -157,7 +162,7 @@ class LearnerSession:
                    else "checkpoint: the updates did not rebuild the published model")
         if params is None:
             params = decode_state(self.fetch(manifests[-1].model))
-        return HeldRound(params, frozenset(consumed), manifests[-1].tokens_applied), way
+        return HeldRound(params, frozenset(consumed), manifests[-1].tokens_applied, rates), way
 
     def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
@@ -254,12 +259,15 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     current = [start_round]
     if cfg.lr_catch_up:
         session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
+    steps = phase_steps(cfg.inner_steps, session.rate, list(held[1].rates.values())) if cfg.paced else cfg.inner_steps
     result = session.trainer.run_phase(
-        session.reference(held), cfg.inner_steps, slowdown=cfg.slowdown(session.region),
+        session.reference(held), steps, slowdown=cfg.slowdown(session.region),
         min_step_s=cfg.min_step_s.get(session.region, 0.0), should_stop=session.stop_check(),
         rebase=session.rebase_offer(current),
     )
     base_round = session.last_base = current[0]
+    if result.seconds > 0:
+        session.rate = result.tokens / result.seconds
     if result.steps == 0:
         log.info("%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase)
         return {"phase": phase, "steps": 0}
@@ -303,9 +311,10 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     session.residual = residual
     session.next_phase = phase + 1
     log.info(
-        "%s learner %s (%s) phase %d on round %d%s: loss %.3f, %d tokens, %.1f s, delta %.2f MB",
+        "%s learner %s (%s) phase %d on round %d%s: %d steps%s, loss %.3f, %d tokens, %.1f s, delta %.2f MB",
         session.run, session.learner, session.region, phase, base_round,
-        f" (from round {start_round})" if start_round != base_round else "", result.loss, result.tokens,
+        f" (from round {start_round})" if start_round != base_round else "", result.steps,
+        f" (paced: H is {cfg.inner_steps})" if steps < cfg.inner_steps else "", result.loss, result.tokens,
         result.seconds, len(delta) / 1e6,
     )
     return {"phase": phase, "steps": result.steps, "tokens": result.tokens, "loss": result.loss, "seconds": result.seconds}

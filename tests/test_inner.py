@@ -172,6 +172,18 @@ def test_a_step_floor_caps_the_rate_whatever_the_compute_took():
         trainer.run_phase(base_weights(), steps=1, min_step_s=-1.0)
 
 
+def test_catch_up_puts_the_schedule_at_the_runs_average_step_either_way():
+    trainer = make_trainer()
+    per_step = trainer.sampler.tokens_per_batch
+    trainer.run_phase(base_weights(), 4)
+    trainer.catch_up(tokens_applied=4 * 10 * per_step, learners=4)  # the run is at step 10; this one trained 4
+    assert (trainer.step, trainer.schedule_step) == (4, 10)
+    trainer.run_phase(base_weights(), 2)
+    assert trainer.schedule_step == 12  # the phase's own steps move it on from there
+    trainer.catch_up(tokens_applied=4 * 3 * per_step, learners=4)  # ahead of the run: it waits for the others
+    assert (trainer.step, trainer.schedule_step) == (6, 3)
+
+
 def test_state_dict_is_flat_and_safetensors_ready():
     trainer = make_trainer()
     trainer.run_phase(base_weights(), steps=2)

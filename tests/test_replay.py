@@ -1,6 +1,6 @@
 """The schedule replay is the synchronous algorithm when nothing is slow or late: equal learners
 whose rounds are visible at once give synchronous DiLoCo's model bit for bit, with or without carry
-(there is never an unmerged delta to carry). Latency is what separates the learner behaviours."""
+(there is never an unmerged delta to carry, no learner is behind or ahead, every phase is H). Latency is what separates the learner behaviours."""
 
 import torch
 
@@ -15,9 +15,17 @@ BUDGET = Budget(steps=4, warmup=1)
 def test_equal_learners_and_no_latency_replay_synchronous_diloco_exactly():
     torch.set_num_threads(1)
     sync = sync_diloco(BUDGET, 0, 2, RULE)
-    for carry in (False, True):
-        theta, facts = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=0.0, carry=carry), RULE)
+    for behaviour in ({}, {"carry": True}, {"carry": True, "catch_up": True, "paced": True}):
+        theta, facts = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=0.0, **behaviour), RULE)
         assert facts["rounds"] == 2 and facts["deltas_per_round"] == 4 and facts["mean_staleness"] == 0
         assert all(torch.equal(theta[n], sync[n]) for n in sync)
     late, _ = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=1.0), RULE)
     assert not all(torch.equal(late[n], sync[n]) for n in sync)
+
+
+def test_paced_phases_bring_the_slow_learner_into_every_round():
+    torch.set_num_threads(1)
+    budget = Budget(steps=12, warmup=1)
+    _, plain = replay(budget, Schedule(3, publish_s=0.0, carry=True), RULE)
+    _, paced = replay(budget, Schedule(3, publish_s=0.0, carry=True, paced=True), RULE)
+    assert plain["deltas_per_round"] < 3 and paced["deltas_per_round"] > 3.5  # the last round closes on what is left

@@ -50,6 +50,9 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
 
     theta1, way, from_global, _ = reads(first, 1)
     assert way == "update" and round1.update.bytes <= from_global < round1.model.bytes
+    # Each contribution's tokens per second, which paced phases scale H by (tasks.pace).
+    assert HELD[id(first)][1].rates == {c.learner: c.tokens / c.seconds for c in round1.contributions}
+    assert set(HELD[id(first)][1].rates) == {"north-0", "south-0"}
     assert stores.region("north").exists(layout.cache_key(RUN, round1.update.key))
     _, way, from_global, from_region = reads(second, 1)
     assert way == "update" and from_global < round1.update.bytes <= from_region

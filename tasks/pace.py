@@ -1,0 +1,28 @@
+"""How many inner steps a phase takes: H for the fastest learners, fewer for a slower one.
+
+A learner at a third of the others' rate that also trains H steps sends one delta for every
+three of theirs, a third of a phase behind on average, so rounds close on partial quorums and
+its deltas arrive stale under the outer momentum. Scaling its phase to H × its rate / the fastest
+rate (dynamic local updates) makes every phase take about as long, so each round gets a delta
+from every learner, as synchronous DiLoCo's does, while nobody waits. Token weighting already
+gives its shorter phases their smaller share.
+
+Rates are tokens per second of a whole phase (the manifests' contributions: tokens / seconds),
+so they hold whatever slows a learner: a slower accelerator, a rate cap or a busy machine.
+Pure arithmetic: the learner, the schedule replay and the tests share it.
+"""
+
+from __future__ import annotations
+
+TOLERANCE = 0.1  # rates within 10% of the fastest count as equal: timing noise does not jitter H
+
+
+def phase_steps(h: int, own_rate: float | None, rates: list[float]) -> int:
+    """Inner steps for a learner training at `own_rate` when the run's learners train at `rates`
+    (its own among them or not); H while either is unknown."""
+    if h < 1:
+        raise ValueError(f"H must be at least 1, got {h}")
+    fastest = max([r for r in [*rates, own_rate or 0.0] if r > 0], default=None)
+    if own_rate is None or own_rate <= 0 or fastest is None or own_rate >= (1 - TOLERANCE) * fastest:
+        return h
+    return max(1, round(h * own_rate / fastest))
