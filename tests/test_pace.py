@@ -13,14 +13,14 @@ def test_h_while_rates_are_unknown():
 
 def test_the_fastest_and_those_within_the_tolerance_train_h():
     assert phase_steps(10, 900.0, [900.0, 300.0, 880.0]) == 10
-    assert phase_steps(50, 820.0, [900.0]) == 50  # 9% slower is timing noise, not a slower learner
+    assert phase_steps(50, 700.0, [900.0]) == 50  # 22% slower is timing noise on a busy machine, not a straggler
     assert phase_steps(50, 1000.0, [900.0]) == 50  # faster than any rate the rounds reported
 
 
 def test_a_slower_learner_trains_in_proportion_to_its_rate():
     assert phase_steps(10, 300.0, [900.0, 300.0, 880.0]) == 3
     assert phase_steps(50, 300.0, [900.0]) == 17
-    assert phase_steps(50, 750.0, [900.0]) == 42
+    assert phase_steps(50, 600.0, [900.0]) == 33
     assert phase_steps(10, 1.0, [900.0]) == 1  # never fewer than one step
 
 
