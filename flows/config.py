@@ -105,7 +105,7 @@ class RunConfig(BaseModel):
         True, description="Start each phase from the learner's own weights, keeping its deltas no round has merged yet instead of retraining them."
     )
     paced: bool = Field(
-        True, description="Scale a phase's inner steps to the learner's rate: H for the fastest learners, H × its rate / the fastest's for a slower one, so phases end together and each round gets every learner's delta."
+        True, description="Scale a phase's inner steps to the learner's rate: H for the fastest learners, H × its rate / the fastest's for a slower one, so its phases end with theirs and its deltas come as often and as fresh."
     )
     torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
     eval_batches: int = Field(16, gt=0, description="Held-out batches the synchronizer evaluates each round.")
