@@ -32,7 +32,7 @@ class Schedule:
     grace_fraction: float = 0.5
     rebase: bool = True
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
-    catch_up: bool = False  # a phase starts no earlier in the lr schedule than the learners' average progress
+    catch_up: bool = False  # a phase starts at the learners' average progress in the lr schedule
     paced: bool = False  # a phase's steps scale with the learner's rate (tasks.pace)
 
     def phase_steps(self, speed: float) -> int:

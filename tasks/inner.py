@@ -193,7 +193,7 @@ class InnerTrainer:
         """Put the learning-rate schedule at the run's average step (tokens applied over
         `learners` learners), ahead of or behind this learner's own steps: a slow learner whose
         peers are further along anneals with them instead of sending high-rate deltas late, and
-        a fast one that trains more than its share (paced phases) does not anneal early. `step`
+        a fast one, which trains more than its share of the budget, does not anneal early. `step`
         keeps counting the steps trained (the token ledger reads it); only the schedule moves,
         and the caller sets it again each phase (it is not part of the saved state)."""
         self.lr_offset = tokens_applied // (learners * self.sampler.tokens_per_batch) - self.step
