@@ -35,7 +35,7 @@ class Schedule:
     catch_up: bool = False  # a phase starts at the learners' average progress in the lr schedule
     paced: bool = False  # a phase's steps scale with the learner's rate (tasks.pace)
 
-    def phase_steps(self, speed: float) -> int:
+    def steps_for(self, speed: float) -> int:
         return phase_steps(self.h, speed, list(self.speeds)) if self.paced else self.h
 
 
@@ -155,7 +155,7 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
         L.done += 1
         trained_steps += 1
         t_end = t + schedule.step_s / L.speed
-        if L.done == schedule.phase_steps(L.speed):
+        if L.done == schedule.steps_for(L.speed):
             delta = L.trainer.delta(L.base)
             pending.append(_Arrival(t_end, name, L.phase, L.base_round, L.done * BATCH * block,
                                     t_end - L.phase_started, delta))

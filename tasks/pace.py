@@ -19,10 +19,10 @@ TOLERANCE = 0.25  # rates within a quarter of the fastest count as equal: timing
 
 def phase_steps(h: int, own_rate: float | None, rates: list[float]) -> int:
     """Inner steps for a learner training at `own_rate` when the run's learners train at `rates`
-    (its own among them or not); H while either is unknown."""
+    (positive; its own among them or not); H while its own rate is unknown."""
     if h < 1:
         raise ValueError(f"H must be at least 1, got {h}")
-    fastest = max([r for r in [*rates, own_rate or 0.0] if r > 0], default=None)
-    if own_rate is None or own_rate <= 0 or fastest is None or own_rate >= (1 - TOLERANCE) * fastest:
+    if own_rate is None or own_rate <= 0:
         return h
-    return max(1, round(h * own_rate / fastest))
+    fastest = max([own_rate, *rates])
+    return h if own_rate >= (1 - TOLERANCE) * fastest else max(1, round(h * own_rate / fastest))
