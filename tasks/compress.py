@@ -1,11 +1,12 @@
-"""Deltas in fewer bits: block-wise int8/int4 quantization, and error feedback.
+"""Deltas in fewer bits: block-wise int8/int4/int2 quantization, and error feedback.
 
 Each tensor is cut into blocks of BLOCK values; a block keeps one bfloat16 scale (its absolute
 maximum over the largest level) and one small integer per value, so one large value costs
 precision only in its own block. A bfloat16 scale costs 0.25 bit per value where float32 cost
 0.5 (int4: 4.25 bits a value, not 4.5); its rounding (at most 2^-8 of the scale) is one more
 error that error feedback carries. Objects written with float32 scales still decode. int4
-packs two values per byte. Error feedback keeps what the quantizer dropped (the residual) and
+packs two values per byte; int2 (each value −1, 0 or +1 times its block's scale: 2.25 bits a
+value) packs four, and is meant for what has error feedback on its side. Error feedback keeps what the quantizer dropped (the residual) and
 adds it to the next delta, so over many phases the sum of what was sent tracks the sum of the
 true deltas instead of drifting.
 
@@ -24,7 +25,7 @@ from torch.nn import functional as F
 BLOCK = 64
 SCALE_DTYPE = torch.bfloat16
 SCALE_DTYPES = (torch.bfloat16, torch.float32)  # float32: objects written before scales were bf16
-BITS = {"int8": 8, "int4": 4}
+BITS = {"int8": 8, "int4": 4, "int2": 2}
 FLOAT_WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CODECS = (*FLOAT_WIRE, *BITS)
 PARTS = (".q", ".scale", ".shape")
@@ -33,33 +34,38 @@ _MAX_DIMS = 8
 
 
 def levels(bits: int) -> int:
-    """Largest integer a value is rounded to: 127 for int8, 7 for int4 (symmetric, no −2^(b−1))."""
+    """Largest integer a value is rounded to: 127 for int8, 7 for int4, 1 for int2 (symmetric, no −2^(b−1))."""
     return 2 ** (bits - 1) - 1
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Two values in [-8, 7] per byte, the even-indexed one in the low nibble."""
-    if q.numel() % 2:
-        raise ValueError(f"int4 packing needs an even number of values, got {q.numel()}")
-    nibbles = (q.reshape(-1).to(torch.int16) + 8).to(torch.uint8)
-    return nibbles[0::2] | (nibbles[1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(packed.numel() * 2, dtype=torch.int8)
-    out[0::2] = (packed & 0x0F).to(torch.int8) - 8
-    out[1::2] = (packed >> 4).to(torch.int8) - 8
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """8 // bits values in [−2^(bits−1), 2^(bits−1)) per byte, the first one in the lowest bits."""
+    per_byte = 8 // bits
+    if q.numel() % per_byte:
+        raise ValueError(f"int{bits} packing needs a multiple of {per_byte} values, got {q.numel()}")
+    fields = (q.reshape(-1, per_byte).to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
+    out = fields[:, 0].clone()
+    for i in range(1, per_byte):
+        out |= fields[:, i] << (i * bits)
     return out
 
 
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte, mask = 8 // bits, 2**bits - 1
+    out = torch.empty(packed.numel(), per_byte, dtype=torch.int8)
+    for i in range(per_byte):
+        out[:, i] = ((packed >> (i * bits)) & mask).to(torch.int8) - 2 ** (bits - 1)
+    return out.reshape(-1)
+
+
 def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integers, per-block scales) of a float tensor; int4 integers come packed in uint8."""
+    """(integers, per-block scales) of a float tensor; int4 and int2 integers come packed in uint8."""
     flat = t.detach().to("cpu", torch.float32).reshape(-1)
     blocks = F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
     scale = (blocks.abs().amax(dim=1) / levels(bits)).to(SCALE_DTYPE)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
     q = torch.round(blocks / divisor[:, None]).clamp_(-levels(bits), levels(bits)).to(torch.int8).reshape(-1)
-    return (pack_int4(q) if bits == 4 else q), scale
+    return (pack(q, bits) if bits < 8 else q), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int, block: int = BLOCK) -> torch.Tensor:
@@ -72,10 +78,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int
         raise ValueError(f"scale must be {n_blocks} bfloat16 (or float32) values for shape {shape}, got {scale.dtype} {tuple(scale.shape)}")
     if not torch.isfinite(scale).all() or (scale < 0).any():
         raise ValueError("scale holds NaN, Inf or negative values")
-    want_dtype, want_numel = (torch.uint8, n_blocks * block // 2) if bits == 4 else (torch.int8, n_blocks * block)
+    want_dtype, want_numel = (torch.uint8, n_blocks * block * bits // 8) if bits < 8 else (torch.int8, n_blocks * block)
     if q.dtype != want_dtype or q.dim() != 1 or q.numel() != want_numel:
         raise ValueError(f"integers must be {want_numel} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}")
-    ints = unpack_int4(q) if bits == 4 else q
+    ints = unpack(q, bits) if bits < 8 else q
     values = ints.to(torch.float32).view(n_blocks, block) * scale.float()[:, None]
     return values.reshape(-1)[:numel].view(shape)
 

@@ -1,4 +1,4 @@
-"""int8/int4 deltas: error bounds, exact packing, error feedback without drift, hostile parts refused."""
+"""int8/int4/int2 deltas: error bounds, exact packing, error feedback without drift, hostile parts refused."""
 
 import pytest
 import torch
@@ -10,12 +10,12 @@ from tasks.compress import (
     dequantize,
     from_wire,
     levels,
-    pack_int4,
+    pack,
     quantize,
     residual_state,
     split_residual,
     to_wire,
-    unpack_int4,
+    unpack,
 )
 
 META = {"run": "run-abc", "learner": "us-east-0", "phase": "3"}
@@ -32,13 +32,13 @@ def delta(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_round_trip_error_is_within_half_a_level_of_each_blocks_scale(codec):
     src = delta()
     out, meta = decode(encode(src, META, codec))
     assert meta["codec"] == codec and set(out) == set(src)
     assert torch.equal(out["step"], src["step"])
-    bits = {"int8": 8, "int4": 4}[codec]
+    bits = {"int8": 8, "int4": 4, "int2": 2}[codec]
     for name, t in src.items():
         if not t.is_floating_point():
             continue
@@ -51,19 +51,27 @@ def test_round_trip_error_is_within_half_a_level_of_each_blocks_scale(codec):
     assert torch.equal(out["zeros"], src["zeros"])
 
 
-@pytest.mark.parametrize("codec,ratio", [("int8", 3.5), ("int4", 6.5)])
+@pytest.mark.parametrize("codec,ratio", [("int8", 3.5), ("int4", 6.5), ("int2", 12.5)])
 def test_quantized_deltas_are_that_much_smaller_than_fp32(codec, ratio):
     src = {"w": torch.randn(512, 512)}
     assert len(encode(src, META, "fp32")) / len(encode(src, META, codec)) > ratio
 
 
-def test_int4_packing_is_exact_for_every_value_and_position():
-    values = torch.arange(-8, 8, dtype=torch.int8).repeat_interleave(16)
+@pytest.mark.parametrize("bits", [4, 2])
+def test_packing_is_exact_for_every_value_and_position(bits):
+    low = -(2 ** (bits - 1))
+    values = torch.arange(low, -low, dtype=torch.int8).repeat_interleave(16)
     values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(1))]
-    packed = pack_int4(values)
-    assert packed.dtype == torch.uint8 and packed.numel() == values.numel() // 2
-    assert torch.equal(unpack_int4(packed), values)
-    assert pack_int4(torch.tensor([-8, 7], dtype=torch.int8)).item() == 0xF0
+    packed = pack(values, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == values.numel() * bits // 8
+    assert torch.equal(unpack(packed, bits), values)
+
+
+def test_packing_puts_the_first_value_in_the_lowest_bits():
+    assert pack(torch.tensor([-8, 7], dtype=torch.int8), 4).item() == 0xF0
+    assert pack(torch.tensor([-2, -1, 0, 1], dtype=torch.int8), 2).item() == 0b11_10_01_00
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack(torch.zeros(6, dtype=torch.int8), 2)
 
 
 def test_quantize_uses_the_full_range_and_rounds_symmetrically():
@@ -79,7 +87,7 @@ def test_objects_with_float32_scales_still_decode():
     assert torch.equal(dequantize(q, scale.float(), [3 * BLOCK], 8), dequantize(q, scale, [3 * BLOCK], 8))
 
 
-@pytest.mark.parametrize("codec,bits", [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize("codec,bits", [("int8", 8), ("int4", 4), ("int2", 2)])
 def test_error_feedback_keeps_the_sum_of_sent_updates_on_the_sum_of_true_deltas(codec, bits):
     g = torch.Generator().manual_seed(2)
     bias = torch.randn(64, 64, generator=g) * 1e-4  # a consistent direction, as in training
@@ -132,7 +140,7 @@ def hostile(codec: str, **changes) -> bytes:
 n_blocks = -(-130 // BLOCK)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize(
     "changes,reason",
     [
