@@ -6,9 +6,9 @@ precision only in its own block. A bfloat16 scale costs 0.25 bit per value where
 0.5 (int4: 4.25 bits a value, not 4.5); its rounding (at most 2^-8 of the scale) is one more
 error that error feedback carries. Objects written with float32 scales still decode. int4
 packs two values per byte; int2 (each value −1, 0 or +1 times its block's scale: 2.25 bits a
-value) packs four, and is meant for what has error feedback on its side. Error feedback keeps what the quantizer dropped (the residual) and
-adds it to the next delta, so over many phases the sum of what was sent tracks the sum of the
-true deltas instead of drifting.
+value) packs four, and is meant for what has error feedback on its side. Error feedback keeps
+what the quantizer dropped (the residual) and adds it to the next delta, so over many phases the
+sum of what was sent tracks the sum of the true deltas instead of drifting.
 
 The wire form is a flat dict of tensors that safetensors can store: `<name>.q` (the integers),
 `<name>.scale` and `<name>.shape`; storage.codec writes and reads it. Pure torch: no storage,
