@@ -26,6 +26,19 @@ def latest_round(store: ObjectStore, run: str) -> int | None:
     return max(rounds) if rounds else None
 
 
+def newest_round_from(store: ObjectStore, run: str, held: int | None) -> int | None:
+    """Newest round with a manifest, found from `held` (a round known to be published) by asking
+    for the next rounds' manifests by key: one HEAD a poll while nothing new is out, where a
+    listing of the run's rounds (an S3 LIST) grows with every round. Rounds are published in
+    order, so the first missing manifest ends the search."""
+    if held is None:
+        return latest_round(store, run)
+    newest = held
+    while store.exists(layout.manifest_key(run, newest + 1)):
+        newest += 1
+    return newest
+
+
 def read_manifest(store: ObjectStore, run: str, round_: int) -> tuple[Manifest, str]:
     data = store.get(layout.manifest_key(run, round_))
     return Manifest.from_bytes(data), sha256_hex(data)

@@ -1,7 +1,7 @@
 """A learner's view of the published rounds, kept fresh by a background thread.
 
-The thread lists the global bucket every `poll_s` and fetches a newly published round's model
-as soon as it appears, so a learner never stops to download: it starts each phase from the
+The thread asks the global bucket for the next round's manifest every `poll_s` and fetches a
+newly published round's model as soon as it appears, so a learner never stops to download: it starts each phase from the
 newest round it holds and folds a round published mid-phase into that phase
 (`InnerTrainer.run_phase(rebase=...)`). Only this thread fetches models.
 """
@@ -18,10 +18,11 @@ Held = tuple[int, Any]  # (round, what `fetch` returned for it)
 
 
 class RoundFollower:
-    def __init__(self, newest_round: Callable[[], int | None],
+    def __init__(self, newest_round: Callable[[int | None], int | None],
                  fetch: Callable[[int, Held | None], Any], poll_s: float) -> None:
-        """`fetch(round, held)`: that round's model, given the round and model held now (the
-        fetch can then take the small way from it)."""
+        """`newest_round(held)`: the newest published round, given the round held now (None
+        before the first); `fetch(round, held)`: that round's model, given the round and model
+        held now (the fetch can then take the small way from it)."""
         self._newest_round, self._fetch, self._poll_s = newest_round, fetch, poll_s
         self._held: Held | None = None
         self._changed = threading.Condition()
@@ -53,7 +54,7 @@ class RoundFollower:
             self._thread.join(timeout=5 * self._poll_s + 30)
 
     def _refresh(self) -> bool:
-        newest = self._newest_round()
+        newest = self._newest_round(None if self._held is None else self._held[0])
         if newest is None:
             return False
         if self._held is None or newest > self._held[0]:

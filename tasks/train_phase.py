@@ -34,7 +34,7 @@ from storage.codec import decode, decode_state, encode_state, encode_wire
 from storage.corpus import read_corpus
 from storage.lease import Watch
 from storage.manifest import Manifest, ObjectRef
-from storage.rounds import checkpoint_metadata, latest_round, read_manifest, stop_requested
+from storage.rounds import checkpoint_metadata, newest_round_from, read_manifest, stop_requested
 from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.crash import crash_point
 from tasks.compress import compress_with_feedback, residual_state, split_residual
@@ -186,7 +186,7 @@ class LearnerSession:
 
     def follow(self, poll_s: float) -> RoundFollower:
         """Start following the published rounds (raises when the run has none)."""
-        self.rounds = RoundFollower(lambda: latest_round(self.global_store, self.run), self.fetch_round, poll_s)
+        self.rounds = RoundFollower(lambda held: newest_round_from(self.global_store, self.run, held), self.fetch_round, poll_s)
         return self.rounds.start(self.run)
 
     def fetch_round(self, round_: int, held: Held | None) -> HeldRound:

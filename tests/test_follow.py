@@ -12,7 +12,8 @@ from tasks.follow import RoundFollower
 def test_follows_new_rounds_and_survives_a_failed_poll():
     published, fetched, fail_once = [0], [], threading.Event()
 
-    def newest():
+    def newest(held):
+        assert held is None or held == fetched[-1]  # it is told the round it holds
         if fail_once.is_set():
             fail_once.clear()
             raise OSError("S3 stalled")
@@ -38,4 +39,4 @@ def test_follows_new_rounds_and_survives_a_failed_poll():
 
 def test_a_run_without_a_published_round_is_refused_at_start():
     with pytest.raises(RuntimeError, match="run-y has no published round"):
-        RoundFollower(lambda: None, lambda r, held: {}, poll_s=0.01).start("run-y")
+        RoundFollower(lambda held: None, lambda r, held: {}, poll_s=0.01).start("run-y")

@@ -11,7 +11,9 @@ import torch
 from botocore.exceptions import ResponseStreamingError
 
 import storage.store as store_module
+from storage import layout
 from storage.encoded import EncodedObject
+from storage.rounds import newest_round_from
 from storage.store import (
     IntegrityError,
     ObjectMissing,
@@ -194,6 +196,19 @@ def test_list_returns_keys_relative_to_the_bucket_with_sizes(store):
     assert store.list("runs/") == {k: len(v) for k, v in objects.items() if k.startswith("runs/")}
     assert "runs/ab/config.json" not in store.list("runs/a")
     assert store.list("") == {k: len(v) for k, v in objects.items()}
+
+
+def test_a_follower_finds_new_rounds_by_key_without_listing(store):
+    for r in range(3):
+        store.put_if_absent(layout.manifest_key("a", r), b"m")
+    store.put_if_absent(layout.model_key("a", 3, "0" * 64), b"model")  # round 3 half-written: no manifest yet
+    assert newest_round_from(store, "a", None) == 2  # nothing held yet: one listing
+    lists = store.io.lists
+    assert newest_round_from(store, "a", 2) == 2
+    store.put_if_absent(layout.manifest_key("a", 3), b"m")
+    store.put_if_absent(layout.manifest_key("a", 4), b"m")
+    assert newest_round_from(store, "a", 2) == 4  # two rounds published since the last poll
+    assert store.io.lists == lists
 
 
 def test_list_sees_objects_written_after_an_earlier_list(store):
