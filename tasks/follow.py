@@ -1,9 +1,9 @@
 """A learner's view of the published rounds, kept fresh by a background thread.
 
 The thread asks the global bucket for the next round's manifest every `poll_s` and fetches a
-newly published round's model as soon as it appears, so a learner never stops to download: it starts each phase from the
-newest round it holds and folds a round published mid-phase into that phase
-(`InnerTrainer.run_phase(rebase=...)`). Only this thread fetches models.
+newly published round's model as soon as it appears, so a learner never stops to download: it
+starts each phase from the newest round it holds and folds a round published mid-phase into that
+phase (`InnerTrainer.run_phase(rebase=...)`). Only this thread fetches models.
 """
 
 from __future__ import annotations
