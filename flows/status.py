@@ -82,7 +82,7 @@ def newest_delta(stores: Stores, run: str, learner: str, region: str) -> dict | 
     store = stores.region(region)
     phases = {
         parsed[1]: key
-        for key in store.list(layout.deltas_prefix(run) + learner + "/")
+        for key in store.list(layout.learner_deltas_prefix(run, learner))
         if (parsed := layout.parse_delta_key(key)) and parsed[0] == learner
     }
     if not phases:

@@ -98,8 +98,12 @@ def deltas_prefix(run: str) -> str:
     return f"runs/{run}/deltas/"
 
 
+def learner_deltas_prefix(run: str, learner: str) -> str:
+    return f"runs/{run}/deltas/{learner}/"
+
+
 def delta_key(run: str, learner: str, phase: int) -> str:
-    return f"runs/{run}/deltas/{learner}/{phase:06d}.safetensors"
+    return learner_deltas_prefix(run, learner) + f"{phase:06d}.safetensors"
 
 
 def learner_state_prefix(run: str, learner: str) -> str:

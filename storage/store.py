@@ -317,8 +317,13 @@ class ObjectStore:
         return data
 
     def size(self, key: str) -> int | None:
-        """Size in bytes, None when absent (a HEAD)."""
+        """Size in bytes, None when absent. On S3 one HEAD: s3fs's own `info` follows a missing
+        key's HEAD with a LIST (in case the key names a folder), and readers poll for keys that
+        are not there yet."""
         try:
+            if self.protocol == "s3":
+                bucket, s3_key = self._s3_address(key)
+                return int(self.fs.call_s3("head_object", Bucket=bucket, Key=s3_key)["ContentLength"])
             return int(self.fs.info(self._path(key))["size"])
         except FileNotFoundError:
             return None
@@ -326,27 +331,45 @@ class ObjectStore:
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 
-    def list(self, prefix: str) -> dict[str, int]:
-        """Keys under `prefix` with their sizes; for discovery only, never a commit decision."""
+    def list(self, prefix: str, start_after: str | None = None) -> dict[str, int]:
+        """Keys in the folder `prefix` with their sizes, only those sorting after `start_after`
+        when it is given (S3's StartAfter: a poller asks for what is new, not for everything
+        again); for discovery only, never a commit decision."""
         self.io.lists += 1
-        self.fs.invalidate_cache()
-        base = self._path(prefix).rstrip("/")
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        found = self._s3_list(prefix, start_after) if self.protocol == "s3" else self._fs_list(prefix)
+        return {key: size for key, size in found
+                if "/.tmp-" not in key and (start_after is None or key > start_after)}
+
+    def _s3_address(self, key: str) -> tuple[str, str]:
+        """(bucket, S3 key) of one of this store's keys (the store may sit below a bucket's root)."""
+        bucket, _, below = self.root.partition("/")
+        return bucket, f"{below}/{key}" if below else key
+
+    def _s3_list(self, prefix: str, start_after: str | None) -> Iterator[tuple[str, int]]:
+        """ListObjectsV2 page by page, straight from the API: no directory cache to go stale."""
+        bucket, s3_prefix = self._s3_address(prefix)
+        skip = len(s3_prefix) - len(prefix)  # the part of each S3 key that is the store's root
+        args = {"Bucket": bucket, "Prefix": s3_prefix}
+        if start_after is not None:
+            args["StartAfter"] = self._s3_address(start_after)[1]
+        while True:
+            page = self.fs.call_s3("list_objects_v2", **args)
+            for obj in page.get("Contents", []):
+                yield obj["Key"][skip:], int(obj["Size"])
+            if not page.get("IsTruncated"):
+                return
+            args = {"Bucket": bucket, "Prefix": s3_prefix, "ContinuationToken": page["NextContinuationToken"]}
+
+    def _fs_list(self, prefix: str) -> Iterator[tuple[str, int]]:
         try:
-            found = self.fs.find(base, detail=True)
+            found = self.fs.find(self._path(prefix).rstrip("/"), detail=True)
         except FileNotFoundError:
-            return {}
-        # s3fs would answer later HEADs and GETs from this listing; objects are only ever added,
-        # so a cached listing would hide what other processes write next.
-        self.fs.invalidate_cache()
+            return
         root = self.root + "/"
-        out = {}
         for path, info in found.items():
-            if not path.startswith(root) or info.get("type") == "directory":
-                continue
-            key = path[len(root):]
-            if "/.tmp-" not in key:
-                out[key] = int(info.get("size") or 0)
-        return out
+            if path.startswith(root) and info.get("type") != "directory":
+                yield path[len(root):], int(info.get("size") or 0)
 
 
 def bucket_url(template: str, bucket: str) -> str:

@@ -4,7 +4,9 @@ Each new delta is read once, size-checked before its bytes are fetched, streamed
 spool directory while it is hashed, parsed only by safetensors one tensor at a time, and judged
 by `tasks.validate`; a bad one is quarantined with its reason, never merged and never looked at
 again. A good one stays on local disk until the merge, so memory does not grow with the number of
-deltas. Listing only discovers; the consumed set comes from manifests.
+deltas. Listing only discovers; the consumed set comes from manifests. A poll asks each
+learner's folder only for keys after the newest one seen (`DeltaWatch`), so it costs the same
+however many deltas the run has written.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from storage import layout
 from storage.codec import CodecError, TensorFile
 from storage.manifest import Excluded
 from storage.spool import spool
-from storage.store import IntegrityError, ObjectMissing
+from storage.store import IntegrityError, ObjectMissing, ObjectStore
 from tasks.quorum import Decision, decide
 from tasks.round_state import RoundState
 from tasks.validate import check_metadata, check_names, check_tensor, global_norm
@@ -52,6 +54,36 @@ class Collected:
     quarantined: list[Excluded]
     decision: Decision
     waited_s: float
+
+
+class DeltaWatch:
+    """New keys in one region's bucket under the run's deltas.
+
+    The first look lists everything there; later ones ask each of the region's learners'
+    folders for keys after the newest one seen (S3's StartAfter), one small request each.
+    `look(everything=True)` lists the whole prefix again: the round's last look does, so a key
+    outside the region's learners' folders (another region's learner, a stray object) is found
+    and quarantined in the round it came in."""
+
+    def __init__(self, store: ObjectStore, run: str, learners: list[str]):
+        self.store, self.run = store, run
+        self.folders = {learner: layout.learner_deltas_prefix(run, learner) for learner in learners}
+        self.newest: dict[str, str] | None = None  # learner → newest key seen in its folder
+
+    def owned(self, key: str) -> bool:
+        return any(key.startswith(folder) for folder in self.folders.values())
+
+    def look(self, everything: bool = False) -> dict[str, int]:
+        if everything or self.newest is None:
+            found = self.store.list(layout.deltas_prefix(self.run))
+        else:
+            found = {}
+            for learner, folder in self.folders.items():
+                found.update(self.store.list(folder, start_after=self.newest[learner] or None))
+        newest = self.newest or {}
+        self.newest = {learner: max((k for k in found if k.startswith(folder)), default=newest.get(learner, ""))
+                       for learner, folder in self.folders.items()}
+        return found
 
 
 def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Excluded:
@@ -133,15 +165,24 @@ def collect(state: RoundState) -> Collected:
     consumed = state.consumed_keys
     history = state.history()
     learners = [name for name, _, _ in cfg.learners()]
+    watches = {region: DeltaWatch(store, state.run, [name for name, r, _ in cfg.learners() if r == region])
+               for region, store in state.stores.regions.items()}
     seen: dict[str, Arrival | Excluded] = {}
+
+    def look(last: bool = False) -> None:
+        """Inspect what is new; the last look only the keys outside the learners' folders
+        (a learner's delta that lands now is left for the next round)."""
+        for region, watch in watches.items():
+            for key, size in sorted(watch.look(everything=last).items()):
+                if key in consumed or key in seen or (last and watch.owned(key)):
+                    continue
+                seen[key] = found = inspect(state, region, key, size)
+                if isinstance(found, Excluded):
+                    log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
+
     started = time.time()
     while True:
-        for region, store in state.stores.regions.items():
-            for key, size in sorted(store.list(layout.deltas_prefix(state.run)).items()):
-                if key not in consumed and key not in seen:
-                    seen[key] = found = inspect(state, region, key, size)
-                    if isinstance(found, Excluded):
-                        log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
+        look()
         arrivals = [a for a in seen.values() if isinstance(a, Arrival)]
         # Only deltas from the parent round count towards the quorum; staler ones still merge.
         fresh: dict[str, float] = {}
@@ -151,6 +192,7 @@ def collect(state: RoundState) -> Collected:
         now = time.time()
         decision = decide(policy, started, now, fresh, learners, history)
         if decision.close:
+            look(last=True)
             break
         wake = decision.recheck_at if decision.recheck_at is not None else now + cfg.quorum.poll_s
         time.sleep(min(cfg.quorum.poll_s, max(0.05, wake - now)))

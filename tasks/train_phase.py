@@ -121,7 +121,7 @@ class LearnerSession:
         states = {p: k for k in store.list(layout.learner_state_prefix(self.run, self.learner)) if (p := layout.parse_state_key(k)) is not None}
         deltas = [
             parsed[1]
-            for k in store.list(layout.deltas_prefix(self.run) + self.learner + "/")
+            for k in store.list(layout.learner_deltas_prefix(self.run, self.learner))
             if (parsed := layout.parse_delta_key(k)) and parsed[0] == self.learner
         ]
         if states:

@@ -15,6 +15,7 @@ import torch
 
 from fake_learner import TOKENS, delta_bytes, metadata, new_run, pseudo_gradient, put
 from flows.outer_round import outer_round
+from storage import layout
 from storage.codec import MAX_HEADER_BYTES, encode
 from storage.rounds import read_manifest
 from tasks.audit import audit_run
@@ -76,6 +77,11 @@ def run(on_stack):
             put(config, stores, "south-1", 1, bad("south-1", 1, tokens=None)): "metadata missing: tokens",
             put(config, stores, "south-1", 2, bad("south-1", 2) + b"\0" * 5_000_000): "oversized:",
         }
+        north = stores.region("north")
+        for key, reason in ((layout.delta_key(RUN, "south-0", 9), "does not belong to region 'north'"),
+                            (layout.deltas_prefix(RUN) + "stray.bin", "not a delta key")):
+            assert north.put_if_absent(key, honest)
+            expected[key] = reason
         south = stores.region("south")
         read_before = south.io.bytes_read
         outer_round(run_id=RUN, round=1, store=stores.template)

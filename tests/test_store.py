@@ -435,3 +435,34 @@ def test_memory_store_smoke():
     assert store.size("runs/r/y") is None
     assert store.list("runs/") == {"runs/r/x": 3}
     store.check_reachable()
+
+
+def test_list_after_a_key_returns_only_the_keys_sorting_after_it(store_url):
+    for base in ("", "/base"):
+        store = ObjectStore(store_url + base)
+        for p in range(4):
+            store.put_if_absent(layout.delta_key("r", "x", p), b"d" * p)
+        assert store.list(layout.learner_deltas_prefix("r", "x"), start_after=layout.delta_key("r", "x", 1)) == {
+            layout.delta_key("r", "x", 2): 2, layout.delta_key("r", "x", 3): 3}
+        assert store.list("runs/r/", start_after=layout.delta_key("r", "x", 3)) == {}
+
+
+def test_s3_lists_every_page(s3_bucket, monkeypatch):
+    store = ObjectStore(f"s3://{s3_bucket}")
+    keys = {f"runs/r/k{i:02d}": 1 for i in range(5)}
+    for key in keys:
+        store.put_if_absent(key, b"x")
+    call = store.fs.call_s3
+    monkeypatch.setattr(store.fs, "call_s3", lambda method, **kw: call(method, **kw, MaxKeys=2))
+    assert store.list("runs/") == keys
+    assert store.list("runs/", start_after="runs/r/k00") == {k: 1 for k in list(keys)[1:]}
+
+
+def test_s3_asking_for_a_missing_key_is_one_request(s3_bucket, caplog):
+    # readers poll for keys that are not there yet (the next manifest, stop.json): each poll
+    # must be one HEAD, not a HEAD and a LIST looking for a folder of that name
+    store = ObjectStore(f"s3://{s3_bucket}")
+    with caplog.at_level("INFO", logger="werkzeug"):  # the S3 server's request log
+        assert store.exists("runs/r/manifest.json") is False
+    requests = [r.getMessage() for r in caplog.records if s3_bucket in r.getMessage()]
+    assert len(requests) == 1 and "HEAD /" in requests[0], requests

@@ -1,0 +1,41 @@
+"""What a collect poll lists: everything once, then only what is new in each learner's folder."""
+
+import pytest
+
+from storage import layout
+from storage.store import ObjectStore
+from tasks.collect import DeltaWatch
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path):
+    if request.param == "file":
+        return ObjectStore(f"file://{tmp_path / 'bucket'}")
+    return ObjectStore(f"s3://{request.getfixturevalue('s3_bucket')}")
+
+
+def test_later_looks_list_only_new_keys_one_request_per_learner(store):
+    old = [layout.delta_key("r", learner, p) for learner in ("n-0", "n-1") for p in range(3)]
+    for key in old:
+        store.put_if_absent(key, b"d")
+    watch = DeltaWatch(store, "r", ["n-0", "n-1"])
+    assert set(watch.look()) == set(old)  # the first look lists everything
+    assert watch.look() == {}
+    new = {layout.delta_key("r", "n-0", 3): 2, layout.delta_key("r", "n-1", 3): 2}
+    for key in new:
+        store.put_if_absent(key, b"dd")
+    lists = store.io.lists
+    assert watch.look() == new
+    assert store.io.lists == lists + 2
+    assert watch.look() == {}
+
+
+def test_the_last_look_finds_keys_outside_the_learners_folders(store):
+    watch = DeltaWatch(store, "r", ["n-0"])
+    watch.look()
+    stray = [layout.delta_key("r", "s-0", 0), layout.deltas_prefix("r") + "stray.bin"]
+    for key in [*stray, layout.delta_key("r", "n-0", 0)]:
+        store.put_if_absent(key, b"d")
+    assert set(watch.look()) == {layout.delta_key("r", "n-0", 0)}  # a poll looks in n-0's folder only
+    everything = watch.look(everything=True)
+    assert [k for k in everything if not watch.owned(k)] == sorted(stray)
