@@ -48,9 +48,10 @@ def read_chain(store: ObjectStore, run: str, known: list[tuple[Manifest, str]] |
     """Every manifest from round 0 to the newest, with the parent links checked.
 
     `known`: a chain this process read and checked before. Committed manifests never change, so
-    only the rounds after it are read (a synchronizer reads one manifest a round, not all)."""
-    newest = latest_round(store, run)
+    only the rounds after it are read (a synchronizer reads one manifest a round, not all), and
+    found by key rather than by listing every round."""
     chain: list[tuple[Manifest, str]] = list(known or [])
+    newest = newest_round_from(store, run, len(chain) - 1 if chain else None)
     for r in range(len(chain), (newest if newest is not None else -1) + 1):
         manifest, sha = read_manifest(store, run, r)
         if manifest.round != r or manifest.run != run:
