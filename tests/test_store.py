@@ -14,6 +14,7 @@ import storage.store as store_module
 from storage import layout
 from storage.encoded import EncodedObject
 from storage.rounds import newest_round_from
+from storage.spool import spool
 from storage.store import (
     IntegrityError,
     ObjectMissing,
@@ -466,3 +467,15 @@ def test_s3_asking_for_a_missing_key_is_one_request(s3_bucket, caplog):
         assert store.exists("runs/r/manifest.json") is False
     requests = [r.getMessage() for r in caplog.records if s3_bucket in r.getMessage()]
     assert len(requests) == 1 and "HEAD /" in requests[0], requests
+
+
+def test_spool_hashes_the_object_and_its_body_across_many_chunks(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1000)
+    header = b'{"__metadata__":{}}'
+    data = len(header).to_bytes(8, "little") + header + bytes(range(256)) * 40  # ~10 chunks
+    store.put_if_absent("runs/r/d", data)
+    got = spool(store, "runs/r/d", tmp_path / "copy")
+    assert (tmp_path / "copy").read_bytes() == data
+    assert got.bytes == len(data)
+    assert got.sha256 == sha256_hex(data)
+    assert got.body_sha256 == sha256_hex(data[8 + len(header):])
