@@ -97,9 +97,14 @@ def run(quick: bool) -> Result:
                             "synchronous DiLoCo is not slowed enough by the faults at this round timeout"))
     res.rows.append(at_least("faults: goodput in (b) (tokens merged / trained)", g, 0.95,
                              "stale deltas were dropped or not merged; see the manifests' excluded entries"))
-    res.rows.append(within("faults: (b)/(a) wall-clock, against the compute ratio", tb / ta if tb and ta else None,
-                           compute_ratio(quick), 0.15, never if not (tb and ta) else
-                           "rounds closing without the slow learner still wait for it in the grace window"))
+    ratio = tb / ta if tb and ta else None
+    res.rows.append(within("faults: (b)/(a) wall-clock, against the compute ratio", ratio, compute_ratio(quick), 0.15,
+                           never if ratio is None else
+                           "rounds closing without the slow learner still wait for it in the grace window"
+                           if ratio > compute_ratio(quick) else
+                           "the learners share two cores with moto, the Prefect server and the synchronizer: "
+                           "the CPU a killed or slowed learner gives up goes to the others, so lost compute "
+                           "does not show as lost time"))
     return res
 
 
