@@ -170,8 +170,8 @@ def collect(state: RoundState) -> Collected:
     seen: dict[str, Arrival | Excluded] = {}
 
     def look(last: bool = False) -> None:
-        """Inspect what is new; the last look only the keys outside the learners' folders
-        (a learner's delta that lands now is left for the next round)."""
+        """Inspect what is new; on the last look, only keys outside the learners' folders (a
+        learner's delta that lands now is left for the next round)."""
         for region, watch in watches.items():
             for key, size in sorted(watch.look(everything=last).items()):
                 if key in consumed or key in seen or (last and watch.owned(key)):
