@@ -12,6 +12,7 @@ import atexit
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +43,9 @@ def stack_env() -> dict[str, str]:
         from infra.stack import LocalStack
 
         home = Path(tempfile.mkdtemp(prefix="islands-bench-"))
-        stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)]).start(record=True)
+        stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)], keep=False).start(record=True)
+        # Runs are read back before the process ends; their objects (GBs over a suite) go with the stack.
+        atexit.register(shutil.rmtree, home, ignore_errors=True)
         atexit.register(stack.stop)
         # SIGTERM (a timeout, `kill`) ends the process through atexit too, so no server is left behind.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -16,6 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
 from prefect.states import Cancelled
 
+from infra.process import pid_alive
 from storage.lease import LEASE_S
 
 RETIRE_S = LEASE_S + 15.0
@@ -45,14 +46,6 @@ def retire_learners(run: str, timeout_s: float = RETIRE_S) -> list[str]:
         return [r.name for r in left]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def kill_learners(run: str, region: str, timeout_s: float = 60.0) -> list[str]:
     """SIGKILL the process of every live learner of `region`; returns the flow-run names.
 
@@ -76,6 +69,6 @@ def kill_learners(run: str, region: str, timeout_s: float = 60.0) -> list[str]:
             raise RuntimeError(f"{run}: learner run {r.name} runs on {where}; only learners on this machine can be killed")
         os.kill(int(pid), signal.SIGKILL)
         pids.append(int(pid))
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return [r.name for r in runs]

@@ -90,6 +90,17 @@ def wait_ready(
         time.sleep(0.2)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (on this machine), whoever owns it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

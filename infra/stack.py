@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra.prefect_server import PrefectServer, api_healthy, ui_url_for
-from infra.process import free_port, spawn, stop_group
+from infra.process import free_port, pid_alive, spawn, stop_group
 from infra.s3_server import CREDENTIALS, S3Server, create_buckets, restore, s3_answers, snapshot
 
 __all__ = ["LocalStack", "default_data_dir", "find_running", "free_port", "stack_env"]
@@ -54,16 +54,6 @@ def stack_env(data_dir: Path, s3_url: str, api_url: str) -> dict[str, str]:
     }
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def find_running(data_dir: Path) -> dict | None:
     """The record of a live stack serving data_dir ({pid, s3_url, api_url, ui_url}), or None.
 
@@ -73,7 +63,7 @@ def find_running(data_dir: Path) -> dict | None:
     try:
         record = json.loads(path.read_text())
         alive = (
-            _pid_alive(int(record["pid"]))
+            pid_alive(int(record["pid"]))
             and api_healthy(record["api_url"])
             and s3_answers(record["s3_url"])
         )
@@ -94,9 +84,11 @@ class LocalStack:
     """
 
     def __init__(self, data_dir: Path, buckets: list[str], serve_learners: bool = True,
-                 s3_front: Callable[[str], str] | None = None):
-        """`s3_front` maps the S3 server's URL to the one every client is given (a fault proxy)."""
+                 s3_front: Callable[[str], str] | None = None, keep: bool = True):
+        """`s3_front` maps the S3 server's URL to the one every client is given (a fault proxy).
+        With keep=False the buckets are thrown away at stop instead of saved (a throwaway stack)."""
         self.s3_front = s3_front
+        self.keep = keep
         self._client_s3_url: str | None = None
         self.data_dir = Path(data_dir).absolute()
         self.buckets = list(buckets)
@@ -189,7 +181,7 @@ class LocalStack:
         if self._runner is not None:
             stop_group(self._runner)
             self._runner = None
-        if self._restored:
+        if self._restored and self.keep:
             try:
                 snapshot(self.s3_url, self.data_dir / "s3")
             except Exception as error:

@@ -7,6 +7,8 @@ second synchronizer or a retried flow run reaches the same view.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import tempfile
 from collections import defaultdict
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 
 from flows.config import RunConfig
+from infra.process import pid_alive
 from storage.corpus import read_corpus
 from storage.manifest import Manifest
 from storage.rounds import get_tensors, read_chain
@@ -61,8 +64,10 @@ class RoundState:
     @cached_property
     def spool_dir(self) -> Path:
         """Where this round's deltas wait between collect and merge; fresh for every process and
-        every try, so a spooled file is never trusted beyond the process that read it."""
-        return Path(tempfile.mkdtemp(prefix=f"islands-{self.run}-round{self.round:06d}-"))
+        every try, so a spooled file is never trusted beyond the process that read it. Spools that
+        synchronizers of this run left when they were killed are removed first."""
+        remove_dead_spools(self.run)
+        return Path(tempfile.mkdtemp(prefix=f"islands-spool-{self.run}-pid{os.getpid()}-round{self.round:06d}-"))
 
     def drop_spool(self) -> None:
         if "spool_dir" in self.__dict__:
@@ -109,3 +114,16 @@ class RoundState:
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""
         return sum(t.numel() * 4 for t in self.model.values()) + 1_000_000
+
+
+def remove_dead_spools(run: str) -> list[Path]:
+    """Delete the spool folders of `run` whose process is gone: a killed synchronizer cannot clean
+    up after itself, and each spool holds up to K deltas. Live ones, this process's too, stay."""
+    owner = re.compile(rf"islands-spool-{re.escape(run)}-pid(\d+)-round\d{{6}}-[a-z0-9_]+")
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob("islands-spool-*"):
+        found = owner.fullmatch(path.name)
+        if found and not pid_alive(int(found[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

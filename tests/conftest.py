@@ -65,7 +65,8 @@ def islands_stack(tmp_path_factory):
     from infra.stack import LocalStack
 
     home = tmp_path_factory.mktemp("islands-stack")
-    with LocalStack(home, ["islands-global", *(f"islands-{r}" for r in STACK_REGIONS)]).start(record=True) as stack:
+    stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in STACK_REGIONS)], keep=False)
+    with stack.start(record=True):
         yield stack, home
 
 

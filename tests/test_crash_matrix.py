@@ -13,8 +13,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import boto3
 import pytest
@@ -111,6 +113,9 @@ def test_crash_then_resume_loses_nothing_and_applies_nothing_twice(stack, point)
     assert summary["rounds_published"] == ROUNDS
     wait_until(lambda: all(r["state_type"] in ("COMPLETED", "CRASHED", "CANCELLED") for r in learner_runs(s.api_url, run)),
                60, "every learner run to end")
+
+    # A synchronizer killed mid-round leaves its spooled deltas; the resumed one removes them.
+    assert not list(Path(tempfile.gettempdir()).glob(f"islands*-{run}-*")), f"{point}: a spool folder was left"
 
     report = audit_run(Stores("s3://islands-{bucket}", REGIONS), run, replay=True)
     assert report.ok, "\n".join(p.line() for p in report.problems)

@@ -87,11 +87,15 @@ def test_stop_frees_everything_and_restore_brings_objects_back(stack, data_dir):
     saved = data_dir / "s3" / "islands-global" / "runs/demo/rounds/000000/model.safetensors"
     assert saved.read_bytes() == b"weights"
 
-    with LocalStack(data_dir, BUCKETS, serve_learners=False) as again:
+    with LocalStack(data_dir, BUCKETS, serve_learners=False, keep=False) as again:
         s3 = client(again.s3_url)
         key = "runs/demo/rounds/000000/model.safetensors"
         assert s3.get_object(Bucket="islands-global", Key=key)["Body"].read() == b"weights"
         assert {"islands-region-a"} <= {b["Name"] for b in s3.list_buckets()["Buckets"]}
+        s3.put_object(Bucket="islands-global", Key="runs/demo/scratch", Body=b"thrown away")
+    # keep=False: the restored snapshot is left as it was, nothing of this stack is saved
+    assert saved.read_bytes() == b"weights"
+    assert not (data_dir / "s3" / "islands-global" / "runs/demo/scratch").exists()
 
 
 def get_json(url: str) -> dict:

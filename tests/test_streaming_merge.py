@@ -4,6 +4,9 @@ hold one tensor at a time however many deltas there are."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
 import time
 import weakref
 
@@ -21,7 +24,7 @@ from tasks.compress import residual_state, to_wire
 from tasks.merge import encode_update, merge_round
 from tasks.merge_step import apply_merge, merge_rule
 from tasks.model import build_model
-from tasks.round_state import RoundState
+from tasks.round_state import RoundState, remove_dead_spools
 
 RUN = "stream"
 REGIONS = ["east", "west"]
@@ -128,6 +131,25 @@ def test_hostile_deltas_are_quarantined_with_their_reason_and_leave_no_spool_fil
         assert reason in got.reason, (label, got.reason)
     assert list(state.spool_dir.iterdir()) == []
     state.drop_spool()
+
+
+def test_a_killed_synchronizers_spool_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid now names no process
+    dead = tmp_path / f"islands-spool-{RUN}-pid{gone.pid}-round000003-ab_1"
+    other_run = tmp_path / f"islands-spool-{RUN}-2-pid{gone.pid}-round000003-ab_1"
+    live = tmp_path / f"islands-spool-{RUN}-pid{os.getppid()}-round000003-cd_2"
+    for folder in (dead, other_run, live):
+        folder.mkdir()
+        (folder / "east.east-0.000003.safetensors").write_bytes(b"spooled")
+    state, _ = round_state(tmp_path / "buckets", 2)
+    mine = state.spool_dir
+    assert not dead.exists() and other_run.exists() and live.exists()
+    assert mine.parent == tmp_path and f"-pid{os.getpid()}-round000001-" in mine.name
+    assert remove_dead_spools(RUN) == []  # this process is alive: its spool stays
+    state.drop_spool()
+    assert not mine.exists()
 
 
 def _peak_live_decoded_bytes(tmp_path, k: int, monkeypatch) -> tuple[int, int]:
