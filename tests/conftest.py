@@ -74,6 +74,7 @@ def islands_stack(tmp_path_factory):
 def on_stack(islands_stack):
     """Point this process (S3 clients, the Prefect client) and its children at the session stack."""
     import s3fs
+    from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     stack, home = islands_stack
@@ -83,4 +84,5 @@ def on_stack(islands_stack):
             mp.setenv(key, value)
         s3fs.S3FileSystem.clear_instance_cache()
         yield env
+        APILogWorker.drain_all(timeout=5)  # send this module's flow logs while the API is still there
     s3fs.S3FileSystem.clear_instance_cache()
