@@ -98,13 +98,15 @@ def run(quick: bool) -> Result:
     res.rows.append(at_least("faults: goodput in (b) (tokens merged / trained)", g, 0.95,
                              "stale deltas were dropped or not merged; see the manifests' excluded entries"))
     ratio = tb / ta if tb and ta else None
+    if ratio is None:
+        why = never
+    elif ratio > compute_ratio(quick):
+        why = "rounds closing without the slow learner still wait for it in the grace window"
+    else:
+        why = ("the learners share two cores with moto, the Prefect server and the synchronizer: the CPU a "
+               "killed or slowed learner gives up goes to the others, so lost compute does not show as lost time")
     res.rows.append(within("faults: (b)/(a) wall-clock, against the compute ratio", ratio, compute_ratio(quick), 0.15,
-                           never if ratio is None else
-                           "rounds closing without the slow learner still wait for it in the grace window"
-                           if ratio > compute_ratio(quick) else
-                           "the learners share two cores with moto, the Prefect server and the synchronizer: "
-                           "the CPU a killed or slowed learner gives up goes to the others, so lost compute "
-                           "does not show as lost time"))
+                           why))
     return res
 
 

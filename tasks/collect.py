@@ -180,9 +180,10 @@ def collect(state: RoundState) -> Collected:
                 if isinstance(found, Excluded):
                     log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
 
-    started = time.time()
+    started, looks = time.time(), 0
     while True:
         look()
+        looks += 1
         arrivals = [a for a in seen.values() if isinstance(a, Arrival)]
         # Only deltas from the parent round count towards the quorum; staler ones still merge.
         fresh: dict[str, float] = {}
@@ -192,7 +193,8 @@ def collect(state: RoundState) -> Collected:
         now = time.time()
         decision = decide(policy, started, now, fresh, learners, history)
         if decision.close:
-            look(last=True)
+            if looks > 1:  # the first look listed everything already
+                look(last=True)
             break
         wake = decision.recheck_at if decision.recheck_at is not None else now + cfg.quorum.poll_s
         time.sleep(min(cfg.quorum.poll_s, max(0.05, wake - now)))
