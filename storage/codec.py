@@ -159,23 +159,27 @@ def decode_state(data: bytes) -> dict[str, torch.Tensor]:
 def encode_state_object(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> EncodedObject:
     """`encode_state`'s very bytes, read straight from the tensors' memory when uploaded: no copy
     of them in memory or on disk. The tensors must not change until the object is uploaded."""
-    entries = {}
-    for name, tensor in tensors.items():
-        t = tensor.detach().cpu().contiguous()
-        entries[name] = (t.dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
-    return _encoded(entries, metadata)
+    return _encoded({name: _in_place(tensor) for name, tensor in tensors.items()}, metadata)
+
+
+def _in_place(tensor: torch.Tensor) -> tuple[torch.dtype, list[int], Piece]:
+    """A tensor as an object's entry whose bytes are read from the tensor's own memory."""
+    t = tensor.detach().cpu().contiguous()
+    return t.dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
 
 
 class TensorFileWriter:
     """`encode_state`'s very bytes for tensors that come one at a time (a merge makes them tensor
     by tensor): each goes to a part file in `parts_dir` as it comes, and `finish` gives the object
     as the canonical header and the part files in safetensors' own order, never assembled.
-    The parts stay until the caller removes `parts_dir` (after the upload); on an error they go."""
+    The parts stay until the caller removes `parts_dir` (after the upload); on an error they go.
+    A tensor that stays in memory anyway, unchanged until the upload, is `keep`-ed instead: read
+    where it is, not written."""
 
     def __init__(self, parts_dir: Path):
         self.parts_dir = parts_dir
         self.parts_dir.mkdir()
-        self.parts: dict[str, tuple[torch.dtype, list[int], Path]] = {}
+        self.parts: dict[str, tuple[torch.dtype, list[int], Piece]] = {}
 
     def __enter__(self) -> "TensorFileWriter":
         return self
@@ -185,13 +189,19 @@ class TensorFileWriter:
             shutil.rmtree(self.parts_dir, ignore_errors=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.parts:
-            raise ValueError(f"tensor {name!r} added twice")
-        t = tensor.detach().cpu().contiguous()
+        dtype, shape, data = self._entry(name, tensor)
         part = self.parts_dir / str(len(self.parts))
         with open(part, "wb") as fh:
-            fh.write(t.reshape(-1).view(torch.uint8).numpy())
-        self.parts[name] = (t.dtype, list(t.shape), part)
+            fh.write(data)
+        self.parts[name] = (dtype, shape, part)
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        self.parts[name] = self._entry(name, tensor)
+
+    def _entry(self, name: str, tensor: torch.Tensor) -> tuple[torch.dtype, list[int], Piece]:
+        if name in self.parts:
+            raise ValueError(f"tensor {name!r} added twice")
+        return _in_place(tensor)
 
     def finish(self, metadata: dict[str, str] | None) -> EncodedObject:
         return _encoded(self.parts, metadata)

@@ -6,6 +6,7 @@ are quarantined, over-stale ones dropped) and keeps the bookkeeping the manifest
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,9 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
     stepped into the round state's θ and momentum in place, then the step is encoded with the
     update codec (tasks.merge.encode_update), its wire tensors go straight to the update's part files,
-    θ_r becomes θ_{r−1} + the decoded step, and the momentum and the codec's new residual go
-    straight to the outer state's. Both objects are uploaded from their parts. Memory holds θ and the momentum (the round state's
+    θ_r becomes θ_{r−1} + the decoded step, and the codec's new residual goes straight to the
+    outer state's parts; the outer state reads the momentum from memory. Both objects are uploaded
+    from there. Memory holds θ and the momentum (the round state's
     residual is used up as it goes), and one tensor of each delta, however many deltas there are;
     nothing long-lived is allocated in the loop, so freed tensors are reused, not fragmented."""
     weighted, dropped = plan_merge(
@@ -82,11 +84,13 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
             for key, tensor in wire.items():
                 update.add(key, tensor)
             # The residual travels with the momentum, so a resumed synchronizer carries on exactly.
-            outer.add(name, momentum[name])
+            outer.keep(name, momentum[name])  # in memory anyway, and unchanged until the upload
             for key, tensor in left.items():
                 outer.add(RESIDUAL_PREFIX + key, tensor)
-        update_object = update.finish(update_metadata(state.run, state.round, codec))
-        outer_object = outer.finish(checkpoint_metadata(state.run, state.round))
+        with ThreadPoolExecutor(1, thread_name_prefix="merge-hash") as pool:  # hashlib lets go of the GIL
+            hashed = pool.submit(update.finish, update_metadata(state.run, state.round, codec))
+            outer_object = outer.finish(checkpoint_metadata(state.run, state.round))
+            update_object = hashed.result()
     state.momentum = momentum
     return state.model, momentum, update_object, outer_object, weighted, dropped
 
