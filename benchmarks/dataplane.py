@@ -1,12 +1,12 @@
 """The data plane at size: the synchronizer's critical path on a ~100M-parameter model's tensors
 (random values with a 100M GPT's shapes; nothing is trained) against moto's S3 server.
 
-The path is the synchronizer's own code: tasks.collect.inspect reads, hashes, decodes and
-validates each of K deltas, tasks.merge_step.apply_merge merges them, takes the outer step and
-encodes the update, tasks.publish.write_objects writes the model, the update and the outer
-state exactly as the publish task does. It
-runs in a child process per K, so its peak resident memory (VmHWM) is the synchronizer's alone;
-the same child then moves the same bytes with plain boto3 calls for the throughput baseline.
+The path is the synchronizer's own code: tasks.collect.inspect_all reads, hashes, decodes and
+validates the K deltas, two at a time as collect does; tasks.merge_step.apply_merge merges them,
+takes the outer step and encodes the update; tasks.publish.write_objects writes the model, the
+update and the outer state exactly as the publish task does. It runs in a child process per K,
+so its peak resident memory (VmHWM) is the synchronizer's alone; the same child then moves the
+same bytes with plain boto3 calls for the throughput baseline.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def vm(field: str) -> int:
 def measure(k: int, refs: dict, s3_url: str) -> dict:
     """In the child: the synchronizer's critical path, then the same bytes through boto3."""
     from infra.s3_server import client
-    from tasks.collect import Arrival, inspect
+    from tasks.collect import Arrival, inspect_all
     from tasks.merge_step import Merged, apply_merge, merge_rule
     from tasks.publish import write_objects
     from tasks.round_state import RoundState
@@ -91,7 +91,7 @@ def measure(k: int, refs: dict, s3_url: str) -> dict:
     momentum = get_tensors(stores.global_, ObjectRef(**refs["outer"]))
     state = RoundState(config(k), run, 1, stores, [], model, momentum)
     t1 = time.perf_counter()
-    arrivals = [inspect(state, region, key, size) for region, key, size in refs["deltas"]]
+    arrivals = inspect_all(state, [tuple(d) for d in refs["deltas"]])
     bad = [a.reason for a in arrivals if not isinstance(a, Arrival)]
     if bad:
         raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
@@ -153,8 +153,8 @@ def run(quick: bool) -> Result:
                              k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
                              f"of its {k_big['critical_path_s']:.1f} s, reading and validating the deltas took "
                              f"{k_big['read_and_validate_s']:.1f} s against boto3's {k_big['raw_read_s']:.1f} s "
-                             "(each delta is spooled to local disk, where the kernel's write-back throttles the "
-                             "writer once a few are dirty, hashed twice and its norms taken), the float64 merge "
+                             "(each delta is spooled to local disk, hashed twice and its norms taken, two deltas "
+                             "at a time), the float64 merge and the hashes of the update and the outer state "
                              f"{k_big['merge_s']:.1f} s, which boto3 does not do, and writing the model, update "
                              f"and outer state {k_big['write_s']:.1f} s against boto3's {k_big['raw_write_s']:.1f} s; "
                              "all on the 2 cores moto's server also uses"))

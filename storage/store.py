@@ -16,7 +16,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -86,9 +86,16 @@ class IOCounters:
     gets: int = 0
     puts: int = 0
     lists: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Count under a lock: the synchronizer reads several deltas of one bucket at once."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
 
 
 @dataclass
@@ -159,9 +166,7 @@ class ObjectStore:
                 if not _lost_to_an_existing_object(exc):
                     raise
                 written = False
-        self.io.puts += 1
-        if written:
-            self.io.bytes_written += size
+        self.io.add(puts=1, bytes_written=size if written else 0)
         return written
 
     def _s3_put_stream(self, path: str, data: Stream) -> None:
@@ -239,8 +244,7 @@ class ObjectStore:
             data = self.fs.cat_file(path)
         except FileNotFoundError as exc:
             raise ObjectMissing(f"{self.url}/{key} does not exist") from exc
-        self.io.gets += 1
-        self.io.bytes_read += len(data)
+        self.io.add(gets=1, bytes_read=len(data))
         if sha256 is not None and sha256_hex(data) != sha256:
             raise IntegrityError(f"{self.url}/{key}: sha256 {sha256_hex(data)[:12]}… ≠ expected {sha256[:12]}…")
         return data
@@ -254,11 +258,11 @@ class ObjectStore:
             first = next(chunks, b"")  # opens the object: a missing one fails here, before any yield
         except FileNotFoundError as exc:
             raise ObjectMissing(f"{self.url}/{key} does not exist") from exc
-        self.io.gets += 1
+        self.io.add(gets=1)
         read = 0
         for chunk in itertools.chain([first] if first else [], chunks):
             read += len(chunk)
-            self.io.bytes_read += len(chunk)
+            self.io.add(bytes_read=len(chunk))
             if max_bytes is not None and read > max_bytes:
                 chunks.close()
                 raise IntegrityError(f"{self.url}/{key} grew past the {max_bytes} limit while being read")
@@ -312,8 +316,7 @@ class ObjectStore:
             data = self.fs.cat_file(self._path(key), start=start, end=end)
         except FileNotFoundError as exc:
             raise ObjectMissing(f"{self.url}/{key} does not exist") from exc
-        self.io.gets += 1
-        self.io.bytes_read += len(data)
+        self.io.add(gets=1, bytes_read=len(data))
         return data
 
     def size(self, key: str) -> int | None:
@@ -335,7 +338,7 @@ class ObjectStore:
         """Keys in the folder `prefix` with their sizes, only those sorting after `start_after`
         when it is given (S3's StartAfter: a poller asks for what is new, not for everything
         again); for discovery only, never a commit decision."""
-        self.io.lists += 1
+        self.io.add(lists=1)
         prefix = prefix.rstrip("/") + "/" if prefix else ""
         found = self._s3_list(prefix, start_after) if self.protocol == "s3" else self._fs_list(prefix)
         return {key: size for key, size in found

@@ -12,6 +12,7 @@ however many deltas the run has written.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from storage.store import IntegrityError, ObjectMissing, ObjectStore
 from tasks.quorum import Decision, decide
 from tasks.round_state import RoundState
 from tasks.validate import check_metadata, check_names, check_tensor, global_norm
+
+READERS = 2  # deltas read at once (see inspect_all)
 
 
 @dataclass
@@ -132,6 +135,18 @@ def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Ex
     )
 
 
+def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Arrival | Excluded]:
+    """`inspect` for each (region, key, size), READERS at a time, in the order given.
+
+    One reader keeps neither side busy: the store serves while the reader waits, and the reader
+    hashes and writes while the store waits. Memory holds a chunk or a tensor per reader."""
+    if not found:
+        return []
+    _ = state.spool_dir, state.consumed_shas  # made once, before the readers share them
+    with ThreadPoolExecutor(READERS, thread_name_prefix="collect") as pool:
+        return list(pool.map(lambda item: inspect(state, *item), found))
+
+
 def check_delta(delta: TensorFile, model: dict[str, torch.Tensor]) -> tuple[str | None, float]:
     """(reason or None, global norm): every tensor decoded and checked against the model's, one
     at a time; a tensor the codec cannot decode is refused with the codec's reason."""
@@ -172,13 +187,13 @@ def collect(state: RoundState) -> Collected:
     def look(last: bool = False) -> None:
         """Inspect what is new; on the last look, only keys outside the learners' folders (a
         learner's delta that lands now is left for the next round)."""
-        for region, watch in watches.items():
-            for key, size in sorted(watch.look(everything=last).items()):
-                if key in consumed or key in seen or (last and watch.owned(key)):
-                    continue
-                seen[key] = found = inspect(state, region, key, size)
-                if isinstance(found, Excluded):
-                    log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
+        new = [(region, key, size) for region, watch in watches.items()
+               for key, size in sorted(watch.look(everything=last).items())
+               if key not in consumed and key not in seen and not (last and watch.owned(key))]
+        for (_, key, _), found in zip(new, inspect_all(state, new)):
+            seen[key] = found
+            if isinstance(found, Excluded):
+                log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
 
     started, looks = time.time(), 0
     while True:

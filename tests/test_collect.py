@@ -1,9 +1,15 @@
-"""What a collect poll lists: everything once, then only what is new in each learner's folder."""
+"""What a collect poll lists: everything once, then only what is new in each learner's folder;
+and how it reads what it found."""
+
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from storage import layout
 from storage.store import ObjectStore
+from tasks import collect
 from tasks.collect import DeltaWatch
 
 
@@ -39,3 +45,25 @@ def test_the_last_look_finds_keys_outside_the_learners_folders(store):
     assert set(watch.look()) == {layout.delta_key("r", "n-0", 0)}  # a poll looks in n-0's folder only
     everything = watch.look(everything=True)
     assert [k for k in everything if not watch.owned(k)] == sorted(stray)
+
+
+def test_new_deltas_are_read_two_at_a_time_in_order(monkeypatch):
+    """While one delta is being hashed and written, the next one downloads."""
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_inspect(state, region, key, size):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.1)
+        with lock:
+            running[0] -= 1
+        return key
+
+    monkeypatch.setattr(collect, "inspect", slow_inspect)
+    state = SimpleNamespace(spool_dir=None, consumed_shas={})
+    found = [("east", f"k{i}", 1) for i in range(6)]
+    assert collect.inspect_all(state, found) == [key for _, key, _ in found]
+    assert most[0] == collect.READERS == 2
+    assert collect.inspect_all(state, []) == []

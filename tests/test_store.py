@@ -3,6 +3,7 @@
 import multiprocessing
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 import pytest
@@ -411,6 +412,14 @@ def test_io_counters_count_bytes_and_are_shared_per_url(store_url):
     other = ObjectStore(store_url + "/elsewhere")
     assert other.io is not a.io
     assert other.io.bytes_written == 0
+
+
+def test_io_counters_lose_no_count_when_threads_read_one_bucket(tmp_path):
+    store = ObjectStore(f"file://{tmp_path / 'threads'}")
+    store.put_if_absent("k", b"x" * 100)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: [store.get("k") for _ in range(500)], range(4)))
+    assert (store.io.gets, store.io.bytes_read) == (2000, 200_000)
 
 
 # -- templates ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from storage.codec import TensorFile, decode, encode, encode_state, encode_wire
 from storage.manifest import Excluded
 from storage.rounds import checkpoint_metadata, get_tensors, put_tensors, update_metadata
 from storage.store import Stores, sha256_hex
-from tasks.collect import Arrival, inspect
+from tasks.collect import Arrival, inspect, inspect_all
 from tasks.compress import residual_state, to_wire
 from tasks.merge import encode_update, merge_round
 from tasks.merge_step import apply_merge, merge_rule
@@ -63,7 +63,7 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
         state, written = round_state(tmp_path / codec, 4, codec)
         parent_model = {k: v.clone() for k, v in state.model.items()}
         parent_momentum = {k: v.clone() for k, v in state.momentum.items()}
-        arrivals = [inspect(state, region, key, len(data)) for (region, key), data in written.items()]
+        arrivals = inspect_all(state, [(region, key, len(data)) for (region, key), data in written.items()])
         assert all(isinstance(a, Arrival) for a in arrivals), arrivals
         model, momentum, update, outer, weighted, _ = apply_merge(state, arrivals, merge_rule(state.config))
 
