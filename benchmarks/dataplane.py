@@ -96,9 +96,9 @@ def measure(k: int, refs: dict, s3_url: str) -> dict:
     if bad:
         raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
     t_read = time.perf_counter()
-    model, _, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
+    model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
     t_merge = time.perf_counter()
-    written = write_objects(state, Merged(model, update, outer, [], [], float("nan")))
+    written = write_objects(state, Merged(model, model_object, update, outer, [], [], float("nan")))
     state.drop_spool()
     t2 = time.perf_counter()
     peak = vm("VmHWM")

@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
-from storage.codec import TensorFileWriter
+from storage.codec import TensorFileWriter, encode_state_object
 from storage.encoded import EncodedObject
 from storage.manifest import Contribution, Excluded
 from storage.rounds import checkpoint_metadata, update_metadata
@@ -34,6 +34,7 @@ class RoundFailed(RuntimeError):
 @dataclass
 class Merged:
     model: dict[str, torch.Tensor]  # θ_r = θ_{r−1} + decode(update)
+    model_object: EncodedObject  # θ_r as its checkpoint object, read from θ_r's memory
     update: EncodedObject  # the update codec's object, written while merging
     outer: EncodedObject  # the outer state: momentum and what the update codec has not sent yet
     contributions: list[Contribution]
@@ -51,21 +52,23 @@ def merge_rule(config: RunConfig) -> MergeRule:
 
 
 def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
-    """(θ_r, momentum, the encoded update, the outer state, weighted, dropped).
+    """(θ_r, momentum, θ_r's checkpoint object, the encoded update, the outer state, weighted,
+    dropped).
 
     Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
     stepped into the round state's θ and momentum in place, then the step is encoded with the
-    update codec (tasks.merge.encode_update), its wire tensors go straight to the update's part files,
-    θ_r becomes θ_{r−1} + the decoded step, and the codec's new residual goes straight to the
-    outer state's parts; the outer state reads the momentum from memory. Both objects are uploaded
-    from there. Memory holds θ and the momentum (the round state's
-    residual is used up as it goes), and one tensor of each delta, however many deltas there are;
-    nothing long-lived is allocated in the loop, so freed tensors are reused, not fragmented."""
+    update codec (tasks.merge.encode_update), its wire tensors go straight to the update's part
+    files, θ_r becomes θ_{r−1} + the decoded step, and the codec's new residual goes straight to
+    the outer state's parts; the outer state and the checkpoint read the momentum and θ_r from
+    memory. The three objects are hashed side by side and uploaded from where their bytes are.
+    Memory holds θ and the momentum (the round state's residual is used up as it goes), and one
+    tensor of each delta, however many deltas there are; nothing long-lived is allocated in the
+    loop, so freed tensors are reused, not fragmented."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
     if not weighted:
-        return None, None, None, None, weighted, dropped
+        return None, None, None, None, None, weighted, dropped
     by_id = {(a.learner, a.phase): a for a in arrivals}
     files = [by_id[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
     weights = [w.weight for w in weighted]
@@ -87,12 +90,14 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
             outer.keep(name, momentum[name])  # in memory anyway, and unchanged until the upload
             for key, tensor in left.items():
                 outer.add(RESIDUAL_PREFIX + key, tensor)
-        with ThreadPoolExecutor(1, thread_name_prefix="merge-hash") as pool:  # hashlib lets go of the GIL
-            hashed = pool.submit(update.finish, update_metadata(state.run, state.round, codec))
-            outer_object = outer.finish(checkpoint_metadata(state.run, state.round))
-            update_object = hashed.result()
+        with ThreadPoolExecutor(2, thread_name_prefix="merge-hash") as pool:  # hashlib lets go of the GIL
+            meta = checkpoint_metadata(state.run, state.round)
+            model_hashed = pool.submit(encode_state_object, state.model, meta)
+            update_hashed = pool.submit(update.finish, update_metadata(state.run, state.round, codec))
+            outer_object = outer.finish(meta)
+            model_object, update_object = model_hashed.result(), update_hashed.result()
     state.momentum = momentum
-    return state.model, momentum, update_object, outer_object, weighted, dropped
+    return state.model, momentum, model_object, update_object, outer_object, weighted, dropped
 
 
 def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
@@ -117,7 +122,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
                                      region=a.region, phase=a.phase, tokens=a.tokens, sha256=a.sha256))
         else:
             arrivals.append(a)
-    model, _, update, outer, weighted, dropped = apply_merge(state, arrivals, rule)
+    model, _, model_object, update, outer, weighted, dropped = apply_merge(state, arrivals, rule)
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
@@ -139,4 +144,4 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     loss = eval_loss(state, model)
     log.info("%s round %d: merged %d deltas (%s), eval loss %.4f", state.run, state.round, len(contributions),
              ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions), loss)
-    return Merged(model, update, outer, contributions, excluded, loss)
+    return Merged(model, model_object, update, outer, contributions, excluded, loss)

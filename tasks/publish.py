@@ -81,8 +81,7 @@ def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, Encoded
     """θ_r, its encoded update and the outer state under their content addresses: everything of
     the round but the manifest, which names them."""
     run, r, store = state.run, state.round, state.stores.global_
-    meta = checkpoint_metadata(run, r)
-    model_ref = put_tensors(store, lambda sha: layout.model_key(run, r, sha), merged.model, meta)
+    model_ref = put_encoded(store, lambda sha: layout.model_key(run, r, sha), merged.model_object)
     update_ref = put_update(store, run, r, merged.update, state.config.update_codec)
     crash_point("publish.after_model", r)
     outer_ref = put_encoded(store, lambda sha: layout.outer_key(run, r, sha), merged.outer)

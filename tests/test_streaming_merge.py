@@ -65,7 +65,7 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
         parent_momentum = {k: v.clone() for k, v in state.momentum.items()}
         arrivals = inspect_all(state, [(region, key, len(data)) for (region, key), data in written.items()])
         assert all(isinstance(a, Arrival) for a in arrivals), arrivals
-        model, momentum, update, outer, weighted, _ = apply_merge(state, arrivals, merge_rule(state.config))
+        model, momentum, model_object, update, outer, weighted, _ = apply_merge(state, arrivals, merge_rule(state.config))
 
         by_learner = {a.learner: decode(written[(a.region, a.key)])[0] for a in arrivals}
         target, want_momentum = merge_round(
@@ -79,6 +79,8 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
         codec_u = state.config.update_codec
         assert update.read_bytes() == encode_wire(want_update, update_metadata(RUN, 1, codec_u), codec_u)
         assert update.sha256 == sha256_hex(update.read_bytes()) and update.size == len(update.read_bytes())
+        want_model_bytes = encode_state(want_model, checkpoint_metadata(RUN, 1))
+        assert model_object.read_bytes() == want_model_bytes and model_object.sha256 == sha256_hex(want_model_bytes)
         want_outer = encode_state({**want_momentum, **residual_state(want_residual)}, checkpoint_metadata(RUN, 1))
         assert outer.read_bytes() == want_outer and outer.sha256 == sha256_hex(want_outer)
         state.drop_spool()
