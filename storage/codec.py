@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from storage.encoded import EncodedObject, Piece, chunks_of, piece_size
+from storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
 from tasks.compress import CODECS, decode_one, from_wire, to_wire, wire_plan
 
 MAX_HEADER_BYTES = 16 * 2**20
@@ -223,12 +223,10 @@ def _encoded(entries: dict[str, tuple[torch.dtype, list[int], Piece]], metadata:
         offset += size
         body.append(piece)
     body_sha = hashlib.sha256()
-    for chunk in chunks_of(body):
-        body_sha.update(chunk)
+    hash_pieces(body_sha, body)
     head = canonical_header(json.dumps(header).encode(), body_sha.hexdigest())
     whole = hashlib.sha256(head)
-    for chunk in chunks_of(body):
-        whole.update(chunk)
+    hash_pieces(whole, body)
     return EncodedObject((head, *body), whole.hexdigest())
 
 

@@ -107,7 +107,7 @@ def test_get_refuses_objects_over_max_bytes(store):
 
 
 def test_get_chunks_streams_an_object_in_full_chunks(store, monkeypatch):
-    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(store_module, "READ_BYTES", 1000)
     data = bytes(range(256)) * 14  # 3,584 bytes
     store.put_if_absent("obj", data)
     chunks = list(store.get_chunks("obj"))
@@ -127,7 +127,7 @@ def _break_once(monkeypatch, after_calls: int, before_break=lambda: None):
             raise ResponseStreamingError(error="connection reset by peer")
         return await real(body, n)
 
-    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(store_module, "READ_BYTES", 1000)
     monkeypatch.setattr(store_module, "_read_up_to", flaky)
 
 
@@ -479,7 +479,7 @@ def test_s3_asking_for_a_missing_key_is_one_request(s3_bucket, caplog):
 
 
 def test_spool_hashes_the_object_and_its_body_across_many_chunks(store, tmp_path, monkeypatch):
-    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(store_module, "READ_BYTES", 1000)
     header = b'{"__metadata__":{}}'
     data = len(header).to_bytes(8, "little") + header + bytes(range(256)) * 40  # ~10 chunks
     store.put_if_absent("runs/r/d", data)
