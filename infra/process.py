@@ -90,20 +90,11 @@ def wait_ready(
         time.sleep(0.2)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists (on this machine), whoever owns it."""
+def pid_alive(pid: int, group: bool = False) -> bool:
+    """Whether a process (or, with group=True, a process group) with this id exists on this
+    machine, whoever owns it."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
+        (os.killpg if group else os.kill)(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -129,11 +120,11 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         proc.poll()
-        if proc.returncode is not None and not _group_alive(pgid):
+        if proc.returncode is not None and not pid_alive(pgid, group=True):
             return
         time.sleep(0.1)
     _signal_group(pgid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 5.0
-    while _group_alive(pgid) and time.monotonic() < deadline:
+    while pid_alive(pgid, group=True) and time.monotonic() < deadline:
         time.sleep(0.1)
