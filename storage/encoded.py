@@ -66,8 +66,7 @@ def chunks_of(pieces: tuple[Piece, ...] | list[Piece]) -> Iterator[bytes | memor
 
 def hash_pieces(hasher, pieces: tuple[Piece, ...] | list[Piece]) -> None:
     """Feed the pieces' bytes to `hasher`. Memory is hashed where it is; files are read into one
-    buffer, reused: a fresh 16 MiB block per read costs page faults, and blocks freed on a
-    hashing thread stay with that thread's allocator."""
+    reused buffer, so hashing a part file allocates nothing per read."""
     buffer: memoryview | None = None
     for piece in pieces:
         if isinstance(piece, Path):
