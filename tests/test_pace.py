@@ -24,6 +24,16 @@ def test_a_slower_learner_trains_in_proportion_to_its_rate():
     assert phase_steps(10, 1.0, [900.0]) == 1  # never fewer than one step
 
 
+def test_a_rate_far_above_the_others_is_not_believed():
+    # One learner claims a phase took a thousandth of its real time: the others keep their H.
+    assert phase_steps(10, 900.0, [900.0, 300.0, 880.0, 900_000.0]) == 10
+    assert phase_steps(10, 300.0, [900.0, 300.0, 880.0, 900_000.0]) == 3  # paced against the honest fastest
+    # Up to 4× the median is believed, as a faster accelerator would report it.
+    assert phase_steps(10, 900.0, [900.0, 900.0, 900.0, 3000.0]) == 3
+    # With two rates there is no majority to judge by: both are believed.
+    assert phase_steps(10, 900.0, [900.0, 900_000.0]) == 1
+
+
 def test_h_must_be_positive():
     with pytest.raises(ValueError, match="H must be at least 1"):
         phase_steps(0, 300.0, [900.0])
