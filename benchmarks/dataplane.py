@@ -153,8 +153,8 @@ def run(quick: bool) -> Result:
                              k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
                              f"of its {k_big['critical_path_s']:.1f} s, reading and validating the deltas took "
                              f"{k_big['read_and_validate_s']:.1f} s against boto3's {k_big['raw_read_s']:.1f} s "
-                             "(each delta is spooled to local disk, hashed twice and its norms taken, two deltas "
-                             "at a time), the float64 merge and the hashes of the three objects it makes "
+                             "(each delta is spooled to local disk, into new page cache, hashed twice and its norms "
+                             "taken, two deltas at a time), the float64 merge and the hashes of the three objects it makes "
                              f"{k_big['merge_s']:.1f} s, which boto3 does not do, and writing the model, update "
                              f"and outer state {k_big['write_s']:.1f} s against boto3's {k_big['raw_write_s']:.1f} s; "
                              "all on the 2 cores moto's server also uses"))
