@@ -6,12 +6,13 @@ DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min
 waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever
 (20 s: longer than the slow learner's phase, so only the dead one is given up on).
 
-Each learner's rate is capped at 0.4 of its full speed: an inner step (1 thread) takes at least
-2.5× the time one step takes at full speed, measured with the learner alone on the machine before
-the runs (`min_step_s`). Four learners then need 1.6 of the two cores, the synchronizer and the
-servers have the rest, and CPU they take delays a learner only once it eats the step's headroom.
-A killed or slowed learner removes its share instead of speeding the others up: lost compute
-shows as lost time.
+Each learner's rate is capped at 0.3 of its full speed: an inner step (1 thread) takes at least
+3.3× the time one step takes at full speed, measured with the learner alone on the machine before
+the runs (`min_step_s`). Four learners then need 1.2 of the two cores; the synchronizer, moto and
+the Prefect server, which took about 0.6 of a core together in these runs, have the rest, so all
+of it fits on the machine. A killed or slowed learner removes its share instead of speeding the
+others up: lost compute shows as lost time. (At a cap of 0.4 the learners needed 1.6 cores and
+the whole 2.2: they were short of CPU, and a killed learner's share went to the others.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import replace
 from benchmarks import pipeline
 from benchmarks.report import Result, at_least, at_most, standalone, within
 
-CAP = 0.4
+CAP = 0.3
 SLOW, KILLED = "eu-west", "ap-south"
 
 
@@ -46,8 +47,9 @@ def step_floor_s() -> float:
 def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, float]:
     """The three runs and the target loss. The faults must fall inside the time measured: the
     killed learner is away for rounds 10–20, and the report's `target_reached_at_round` must show
-    every run getting to 2.35 after that (the rounds left after it give (b) and (c) room)."""
-    h, rounds, target, (kill, restart) = (5, 6, 4.5, (2, 4)) if quick else (10, 45, 2.35, (10, 20))
+    every run getting to 2.35 after that (it came at rounds 18–23 in every run so far; the ten
+    rounds after give room)."""
+    h, rounds, target, (kill, restart) = (5, 6, 4.5, (2, 4)) if quick else (10, 32, 2.35, (10, 20))
     floor = step_floor_s()
     capped = tuple((r, floor) for r in pipeline.REGIONS)
     faulty = tuple((r, 3 * floor if r == SLOW else floor) for r in pipeline.REGIONS)
@@ -87,10 +89,11 @@ def run(quick: bool) -> Result:
     rb, rc = pipeline.run(b), pipeline.run(c)
     tb, tc = rb.seconds_to_loss(target), rc.seconds_to_loss(target)
     g = goodput(rb)
+    reached = {k: round_reaching(r, target) for k, r in (("a", pipeline.run(a)), ("b", rb), ("c", rc))}
+    per_round = {k: t / reached[k] for k, t in (("a", ta), ("b", tb), ("c", tc)) if t and reached[k]}
     res.raw.update(b_seconds=tb, c_seconds=tc, b_goodput=g, compute_ratio=compute_ratio(quick),
                    rounds={"a": pipeline.run(a).chain[-1].round, "b": rb.chain[-1].round, "c": rc.chain[-1].round},
-                   target_reached_at_round={k: round_reaching(r, target) for k, r in
-                                            (("a", pipeline.run(a)), ("b", rb), ("c", rc))})
+                   target_reached_at_round=reached, seconds_per_round_to_target=per_round)
     never = "the target loss was not reached within the rounds run; raise the rounds or the target"
     res.rows.append(at_most("faults: (b) decoupled with faults / (c) sync DiLoCo with faults (time to loss)",
                             tb / tc if tb and tc else None, 0.5, never if not (tb and tc) else
@@ -103,8 +106,10 @@ def run(quick: bool) -> Result:
     elif ratio > compute_ratio(quick):
         why = "rounds closing without the slow learner still wait for it in the grace window"
     else:
-        why = ("the learners share two cores with moto, the Prefect server and the synchronizer: the CPU a "
-               "killed or slowed learner gives up goes to the others, so lost compute does not show as lost time")
+        why = (f"rounds came about as often in (b) as in (a) ({per_round['b']:.1f} s and {per_round['a']:.1f} s "
+               f"each, reaching the target at rounds {reached['b']} and {reached['a']}): a round closes once Q_min "
+               "deltas are in, and the outer step averages what arrived, so with fewer learners a round's step is "
+               "noisier, not smaller; the loss follows the rounds more than the compute")
     res.rows.append(within("faults: (b)/(a) wall-clock, against the compute ratio", ratio, compute_ratio(quick), 0.15,
                            why))
     return res
