@@ -33,10 +33,11 @@ def decoupled_spec(quick: bool, h: int, seed: int = 0, init: str | None = None, 
     """4 learners, one at a third of the speed, Q_min 2; enough rounds for the learners to train
     the budget: a round merges about 3 + 1/3 phases' worth of tokens (three learners at full
     speed, the slow one's paced third), plus a tenth and three rounds, because rounds that close
-    on a partial quorum hold less (at H=50, 2.65 phases' worth a round was measured)."""
+    on a partial quorum hold less (at H=50, 2.65 phases' worth a round was measured); one round
+    at --quick's toy sizes, where the rounds only need to run."""
     b = budget(quick)
     steps = steps or b.steps
-    rounds = max(2, round(1.1 * b.learners * steps / h / (3 + 1 / 3)) + 3)
+    rounds = max(2, round(1.1 * b.learners * steps / h / (3 + 1 / 3)) + (1 if quick else 3))
     return pipeline.Spec(name=f"q{h}s{seed}{'w' if init else ''}", inner_steps=h, rounds=rounds, seed=seed,
                          warmup=b.warmup, total_steps=steps, init=init)
 
