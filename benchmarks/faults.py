@@ -10,10 +10,10 @@ is given up on).
 Each learner's rate is capped at 0.3 of its full speed: an inner step (1 thread) takes at least
 3.3× the time one step takes at full speed, measured with the learner alone on the machine before
 the runs (`min_step_s`). Four learners then need 1.2 of the two cores; the synchronizer, moto and
-the Prefect server, which took about 0.6 of a core together in these runs, have the rest, so all
-of it fits on the machine. A killed or slowed learner removes its share instead of speeding the
-others up: lost compute shows as lost time. (At a cap of 0.4 the learners needed 1.6 cores and
-the whole 2.2: they were short of CPU, and a killed learner's share went to the others.)
+the Prefect server have the other 0.8, so all of it fits on the machine. A killed or slowed
+learner removes its share instead of speeding the others up: lost compute shows as lost time.
+(At a cap of 0.4, the 0.4 of a core left was too little: learners ran at about three quarters of
+their floor's rate inside phases, and a killed learner's share went to the others.)
 """
 
 from __future__ import annotations
