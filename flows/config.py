@@ -61,7 +61,7 @@ class QuorumSettings(_Section):
     grace_fraction: float = Field(
         0.5, ge=0, description="The grace is also at most this fraction of the median recent phase time."
     )
-    round_timeout_s: float = Field(600.0, gt=0, description="Hard deadline of a round; merge what arrived, or fail with none.")
+    round_timeout_s: float = Field(600.0, gt=0, description="Hard deadline of a round, from its start (round 1's includes the learners' start-up); merge what arrived, or fail with none.")
     poll_s: float = Field(0.5, gt=0, description="How often the synchronizer lists the regional buckets.")
 
 

@@ -129,9 +129,12 @@ def merge(state: RoundState, collected: Collected) -> Merged:
         excluded.append(Excluded(kind="dropped", key=a.key, reason=d.reason, learner=a.learner, region=a.region,
                                  phase=a.phase, tokens=a.tokens, sha256=a.sha256))
     if model is None:
+        why = (f"{len(excluded)} excluded" if excluded else
+               "nothing arrived: quorum.round_timeout_s must be longer than the learners take to start "
+               "and train one phase")
         raise RoundFailed(
             f"{state.run} round {state.round}: no valid delta after {collected.waited_s:.0f} s "
-            f"({len(excluded)} excluded); check the learners, then `islands resume {state.run}`"
+            f"({why}); check the learners, then `islands resume {state.run}`"
         )
     contributions = []
     for w in weighted:
