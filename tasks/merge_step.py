@@ -130,8 +130,8 @@ def merge(state: RoundState, collected: Collected) -> Merged:
                                  phase=a.phase, tokens=a.tokens, sha256=a.sha256))
     if model is None:
         why = (f"{len(excluded)} excluded" if excluded else
-               "nothing arrived: quorum.round_timeout_s must be longer than the learners take to start "
-               "and train one phase")
+               "nothing arrived; if the learners are running, quorum.round_timeout_s must be longer than "
+               "they take to start and train one phase")
         raise RoundFailed(
             f"{state.run} round {state.round}: no valid delta after {collected.waited_s:.0f} s "
             f"({why}); check the learners, then `islands resume {state.run}`"
