@@ -7,6 +7,7 @@ downloaded. Files are read in sorted order so every learner sees the same bytes.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -20,12 +21,19 @@ class CorpusError(ValueError):
     pass
 
 
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
-    topics = root / "pydoc_data" / "topics.py"
-    return sorted(set(files) | ({topics} if topics.exists() else set()))
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The stdlib's `.py` files in sorted order. Skipped folders are pruned, not walked and then
+    filtered: the interpreter's site-packages can hold far more files than the stdlib itself, and
+    every learner and synchronizer process lists this at start."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    files = set()
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in SKIPPED_DIRS]
+        files.update(Path(folder, n) for n in names if n.endswith(".py"))
+    return sorted(files)
 
 
 def read_corpus(url: str = STDLIB, min_bytes: int = 64 * 1024) -> bytes:
