@@ -82,7 +82,7 @@ class RunConfig(BaseModel):
         DEMO_SPEED, description="Per-region compute speed (1 = full); a slower region really takes longer."
     )
     min_step_s: dict[str, float] = Field(
-        {}, description="Per-region floor on an inner step's wall time, in seconds: a learner that computes a step faster waits out the rest, so its rate stays capped whatever else the machine runs."
+        {}, description="Per-region floor on an inner step's wall time, in seconds, held over each phase: a learner that computes faster waits out the rest, and a step slowed by other processes is made up by shorter waits after it, so its rate stays capped whatever else the machine runs."
     )
     codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field(
         "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4/int2 with one scale per 64 values."

@@ -145,9 +145,11 @@ class InnerTrainer:
         """Train `steps` inner steps from base and return base − local.
 
         slowdown > 1 stands in for a slower region: after each step the trainer sleeps
-        (slowdown − 1) × that step's compute time. min_step_s caps the rate instead: a step that
-        took less wall time sleeps out the rest, so CPU taken by other processes delays the
-        learner only once it eats the whole headroom (with both, the longer wait).
+        (slowdown − 1) × that step's compute time. min_step_s caps the rate instead: the n-th step
+        of the phase does not end before n × min_step_s after the phase began, so a step that
+        took longer than the floor (CPU taken by other processes, a late wake-up, a rebase) is
+        made up by the shorter waits after it, and the learner loses rate only once that CPU
+        eats the whole headroom (with both, the longer wait).
         on_step gets (total inner steps so far, loss).
         should_stop is asked before each step; the result then covers only the steps done.
         rebase is asked before each step too: when it returns a newer global model, the outer
@@ -171,11 +173,11 @@ class InnerTrainer:
                 base = newer
             step_started = self.clock()
             loss = self.train_step()
-            compute_seconds = self.clock() - step_started
+            step_ended = self.clock()
             losses.append(loss)
             if on_step is not None:
                 on_step(self.step, loss)
-            wait = max((slowdown - 1.0) * compute_seconds, min_step_s - compute_seconds)
+            wait = max((slowdown - 1.0) * (step_ended - step_started), started + len(losses) * min_step_s - step_ended)
             if wait > 0:
                 self.sleep(wait)
         seconds = self.clock() - started

@@ -152,10 +152,15 @@ def test_slowdown_sleeps_for_the_extra_time_of_each_step():
 
 def test_a_step_floor_caps_the_rate_whatever_the_compute_took():
     """min_step_s is a rate cap, not a slowdown: a step slowed by other processes eats into the
-    headroom instead of adding to the wait."""
+    headroom instead of adding to the wait, and the phase keeps the capped rate."""
     now, sleeps = [0.0], []
     computes = iter([0.25, 0.5, 1.5, 0.25])
-    trainer = make_trainer(clock=lambda: now[0], sleep=sleeps.append)
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    trainer = make_trainer(clock=lambda: now[0], sleep=sleep)
     train_step = trainer.train_step
 
     def step_taking_the_next_compute_time() -> float:
@@ -163,8 +168,14 @@ def test_a_step_floor_caps_the_rate_whatever_the_compute_took():
         return train_step()
 
     trainer.train_step = step_taking_the_next_compute_time
-    trainer.run_phase(base_weights(), steps=4, min_step_s=1.0)
-    assert sleeps == [0.75, 0.5, 0.75]  # a 1.5 s step waits for nothing and carries no debt
+    result = trainer.run_phase(base_weights(), steps=4, min_step_s=1.0)
+    # The 1.5 s step waits for nothing, and the step after it waits only until 4 floors are up.
+    assert sleeps == [0.75, 0.5, 0.25]
+    assert result.seconds == pytest.approx(4.0)
+    computes = iter([1.5, 0.25])
+    trainer.run_phase(base_weights(), steps=1, min_step_s=1.0)
+    trainer.run_phase(base_weights(), steps=1, min_step_s=1.0)
+    assert sleeps[-1] == 0.75  # each phase counts from its own start: an overrun does not carry over
     computes = iter([0.25])
     trainer.run_phase(base_weights(), steps=1, slowdown=5.0, min_step_s=1.0)
     assert sleeps[-1] == pytest.approx(1.0)  # with both, the longer wait: 4 × 0.25 s
