@@ -20,6 +20,7 @@ about to apply anyway, and the outer momentum applies that direction twice.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -83,6 +84,8 @@ class LearnerSession:
     watch: Watch | None = None  # the driver's lease; None: follow no driver
     crash: str | None = None  # crash point armed in this learner (tasks.crash)
     halt: str | None = None  # why the learner stops before the run ends
+    stop_asked: bool = False  # the run asked its learners to stop (seen in storage)
+    stop_checked_at: float = -math.inf  # when must_stop last asked storage (time.monotonic)
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
     uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
@@ -217,10 +220,18 @@ class LearnerSession:
         return offer
 
     def must_stop(self) -> bool:
-        """The run asked learners to stop, or this learner's driver is gone or replaced."""
-        if self.halt is None and self.watch is not None:
-            self.halt = self.watch.verdict()
-        return self.halt is not None or stop_requested(self.global_store, self.run)
+        """The run asked learners to stop, or this learner's driver is gone or replaced.
+
+        Storage is asked at most every STOP_CHECK_S seconds (two requests each time): the phase
+        loop asks before every step and the learner before every phase, on its training thread.
+        A stop, once seen, stays."""
+        now = time.monotonic()
+        if self.halt is None and not self.stop_asked and now - self.stop_checked_at >= STOP_CHECK_S:
+            self.stop_checked_at = now
+            if self.watch is not None:
+                self.halt = self.watch.verdict()
+            self.stop_asked = self.halt is None and stop_requested(self.global_store, self.run)
+        return self.halt is not None or self.stop_asked
 
     def superseded(self) -> bool:
         """Asked right before writing: has a newer driver launched its own learner in this one's place?"""
@@ -228,18 +239,6 @@ class LearnerSession:
             return False
         self.halt = self.watch.verdict() or self.halt
         return self.watch.superseded
-
-    def stop_check(self):
-        """A cheap should-stop callable: asks storage at most every STOP_CHECK_S seconds."""
-        last = [time.monotonic()]
-
-        def should_stop() -> bool:
-            if time.monotonic() - last[0] < STOP_CHECK_S:
-                return False
-            last[0] = time.monotonic()
-            return self.must_stop()
-
-        return should_stop
 
     def io_totals(self) -> dict[str, int]:
         """Bytes this process moved so far; global reads alone are what crossed regions downwards."""
@@ -262,7 +261,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     steps = phase_steps(cfg.inner_steps, session.rate, list(held[1].rates.values())) if cfg.paced else cfg.inner_steps
     result = session.trainer.run_phase(
         session.reference(held), steps, slowdown=cfg.slowdown(session.region),
-        min_step_s=cfg.min_step_s.get(session.region, 0.0), should_stop=session.stop_check(),
+        min_step_s=cfg.min_step_s.get(session.region, 0.0), should_stop=session.must_stop,
         rebase=session.rebase_offer(current),
     )
     base_round = session.last_base = current[0]
