@@ -56,3 +56,10 @@ def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeRule, init: dict |
         deltas = [t.run_phase(theta, h).delta for t in trainers]
         theta, momentum = merge_round(theta, momentum, deltas, [1.0] * len(deltas), rule)
     return theta
+
+
+@lru_cache(maxsize=4)
+def sync_diloco_from_seed(budget: Budget, seed: int, h: int, rule: MergeRule) -> dict:
+    """`sync_diloco` from the seeded model, trained once per process: the quality and schedule
+    parts of one suite run compare against the same run (callers must not change it)."""
+    return sync_diloco(budget, seed, h, rule)

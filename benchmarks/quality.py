@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import heldout, pipeline
-from benchmarks.inprocess import Budget, data_parallel, sync_diloco
+from benchmarks.inprocess import Budget, data_parallel, sync_diloco, sync_diloco_from_seed
 from benchmarks.report import Result, at_most, standalone
 from tasks.merge import MergeRule
 
@@ -67,7 +67,7 @@ def run(quick: bool) -> Result:
     dp, _ = data_parallel(b, seed=0)
     res.raw["data_parallel"] = a = heldout.loss(dp)
     for h in hs(quick):
-        sync = heldout.loss(sync_diloco(b, 0, h, SYNC_RULE))
+        sync = heldout.loss(sync_diloco_from_seed(b, 0, h, SYNC_RULE))
         dec, facts = at_budget(decoupled_spec(quick, h), b.tokens)
         res.raw[f"sync_h{h}"], res.raw[f"decoupled_h{h}"] = sync, {"loss": dec, **facts}
         if h == hs(quick)[0]:

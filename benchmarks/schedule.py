@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import heldout
-from benchmarks.inprocess import sync_diloco
+from benchmarks.inprocess import sync_diloco_from_seed
 from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
 from benchmarks.replay import Schedule, replay
 from benchmarks.report import Result, at_most, standalone
@@ -27,7 +27,7 @@ def run(quick: bool) -> Result:
     rule = merge_rule(RunConfig())  # the pipeline's default outer step
     res = Result("schedule", settings={"budget": b.__dict__, "H": h, "schedule": Schedule(h).__dict__,
                                        "decoupled_rule": rule.__dict__, "sync_rule": SYNC_RULE.__dict__})
-    sync = heldout.loss(sync_diloco(b, 0, h, SYNC_RULE))
+    sync = heldout.loss(sync_diloco_from_seed(b, 0, h, SYNC_RULE))
     res.raw["sync"] = sync
     variants = {"restart": Schedule(h), "carry": Schedule(h, carry=True), "carry+catch_up": Schedule(h, carry=True, catch_up=True),
                 "carry+catch_up+paced": Schedule(h, carry=True, catch_up=True, paced=True)}
