@@ -77,6 +77,10 @@ class RunProgress:
     def update(self, done: int) -> None:
         update_progress_artifact(self.id, 100.0 * done / self.rounds, description=f"{self.run}: {done}/{self.rounds} rounds")
 
+    def end(self, why: str) -> None:
+        """Full once the run is over, also when it ends early at its target loss."""
+        update_progress_artifact(self.id, 100.0, description=f"{self.run}: {why}")
+
 
 def loss_curves(manifests: list[Manifest]) -> dict[str, list[tuple[float, float]]]:
     """Global eval loss per round and each learner's training loss per merged delta, both against

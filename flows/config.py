@@ -73,7 +73,10 @@ class RunConfig(BaseModel):
     run_id: str | None = Field(None, description="Run name (lowercase, digits, '-'); a fresh one when empty.")
     regions: list[str] = Field(["us-east", "eu-west", "ap-south", "sa-east"], description="One bucket and work pool per region.")
     learners_per_region: int = Field(1, ge=1, le=64, description="Learners in each region.")
-    rounds: int = Field(12, ge=1, description="Outer rounds to publish after round 0.")
+    rounds: int = Field(12, ge=1, description="Outer rounds to publish after round 0 (at most, with target_loss).")
+    target_loss: float | None = Field(
+        None, gt=0, description="Stop early once a published round's held-out eval loss is at most this (empty: run all the rounds)."
+    )
     inner_steps: int = Field(50, description="H: inner steps per phase between two deltas.")
     model: Literal["tiny", "small"] = Field("tiny", description="Model preset: tiny (~0.9M params) or small (~11M).")
     corpus: str = Field("stdlib", description="fsspec URL or glob of the training text; 'stdlib' = Python's own sources.")
@@ -186,6 +189,14 @@ class RunConfig(BaseModel):
 
     def slowdown(self, region: str) -> float:
         return 1.0 / self.speed.get(region, 1.0)
+
+    def ended_by(self, round_: int, eval_loss: float) -> str | None:
+        """Why the run is over once round `round_` is published with `eval_loss`; None: go on."""
+        if self.target_loss is not None and eval_loss <= self.target_loss:
+            return f"round {round_} reached the target eval loss {self.target_loss:g} ({eval_loss:.4f})"
+        if round_ >= self.rounds:
+            return f"all {self.rounds} rounds published"
+        return None
 
 
 def new_run_id() -> str:

@@ -137,13 +137,14 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
         raise StoreError(f"{run_id}: no such run in {template}; check the run id or pass --store") from None
     stores = Stores(template, config.regions)
     chain = [m for m, _ in read_chain(stores.global_, run_id)]
-    finished = chain[-1].round >= config.rounds or stop_requested(stores.global_, run_id)
+    finished = config.ended_by(chain[-1].round, chain[-1].eval_loss) is not None or stop_requested(stores.global_, run_id)
     states = learner_flow_states(run_id)
     return {
         "run_id": run_id,
         "store": template,
         "state": "finished" if finished else "running",
         "rounds_target": config.rounds,
+        "target_loss": config.target_loss,
         "rounds_published": chain[-1].round,
         "eval_loss": chain[-1].eval_loss,
         "prefect_api": os.environ.get("PREFECT_API_URL") if states is not None else None,
@@ -155,7 +156,8 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
 def render(s: dict) -> str:
     lines = [
         f"{s['run_id']}: {s['state']}, {s['rounds_published']}/{s['rounds_target']} rounds published; "
-        f"latest eval loss {s['eval_loss']:.4f} (round {s['rounds_published']})",
+        f"latest eval loss {s['eval_loss']:.4f} (round {s['rounds_published']})"
+        + (f", target {s['target_loss']:g}" if s["target_loss"] is not None else ""),
         f"store {s['store']}; Prefect {s['prefect_api'] or 'not reachable (learner states from storage only)'}",
         "",
         f"{'round':>5}  {'closed by':<12} {'in':>5}  {'eval loss':>9}  contributors (learner@staleness)",

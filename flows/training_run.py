@@ -1,5 +1,5 @@
 """The training-run flow (the driver): create or continue a run, launch learners, run outer
-rounds until the target, stop the learners, report.
+rounds until the last one or the target loss, stop the learners, report.
 
 Learners are flow runs of a deployment, so on a cluster each runs in its region's work pool and
 on one machine the local runner starts them as processes — the same call either way.
@@ -119,7 +119,8 @@ def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, in
 
 @flow(name="training-run", flow_run_name=_name)
 def training_run(config: RunConfig, chaos: list[str] | None = None) -> dict:
-    """Train until `config.rounds` outer rounds are published; returns the run summary.
+    """Train until `config.rounds` outer rounds are published, or a round reaches
+    `config.target_loss`; returns the run summary.
 
     `chaos`: learner kills/restarts and synchronizer crashes to rehearse (flows.chaos), e.g.
     ["kill:eu-west@round3", "crash:synchronizer@publish.after_model"].
@@ -142,34 +143,42 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
     log = get_run_logger()
     run, store = config.run_id, stores.template
     view = ProgressView(run)
-    view.header(read_chain(stores.global_, run)[-1][0], config)
+    newest = read_chain(stores.global_, run)[-1][0]
+    view.header(newest, config)
     progress = RunProgress(run, config.rounds, start)
     retired = retire_learners(run) if epoch > 0 else []
     if retired:
         log.warning("%s: learner runs %s of an earlier driver never ended; marked cancelled", run, ", ".join(retired))
-    learner_ids = launch_learners(config, store, epoch) if start < config.rounds else []
-    log.info("%s: %d learners launched under driver epoch %d; rounds %d..%d to go", run, len(learner_ids), epoch,
-             start + 1, config.rounds)
-    done = False
+    ended = config.ended_by(newest.round, newest.eval_loss)
+    learner_ids = launch_learners(config, store, epoch) if ended is None else []
+    until = f" (or until eval loss {config.target_loss:g})" if config.target_loss is not None else ""
+    log.info("%s: %d learners launched under driver epoch %d; rounds %d..%d to go%s", run, len(learner_ids), epoch,
+             start + 1, config.rounds, until)
     try:
-        for r in range(start + 1, config.rounds + 1):
+        r = start
+        while ended is None:
+            r += 1
             chaos.crash_round(run, r, store)
-            view.round(outer_round(run_id=run, round=r, store=store))
+            published = outer_round(run_id=run, round=r, store=store)
+            view.round(published)
             progress.update(r)
             crash_point("round.after_publish", r)
             learner_ids += chaos.after_round(
                 run, r, config.learners(), lambda learner, region: launch_learner(config, store, learner, region, epoch)
             )
-        done = True
+            ended = config.ended_by(r, published["eval_loss"])
     finally:
-        if done:
-            stores.global_.put_if_absent(layout.stop_key(run), json.dumps({"rounds": config.rounds}).encode())
-        learner_states = wait_learners(learner_ids, LEARNER_EXIT_S, cancel=not done) if learner_ids else {}
+        if ended is not None:
+            log.info("%s: done: %s", run, ended)
+            progress.end(ended)
+            stores.global_.put_if_absent(layout.stop_key(run), json.dumps({"rounds": r, "why": ended}).encode())
+        learner_states = wait_learners(learner_ids, LEARNER_EXIT_S, cancel=ended is None) if learner_ids else {}
     chain = read_chain(stores.global_, run)
     rows = [summarize(m) for m, _ in chain[1:]]
     summary = {
         "run_id": run,
         "rounds_published": chain[-1][0].round,
+        "ended": ended,
         "eval_loss_round0": chain[0][0].eval_loss,
         "eval_loss_final": chain[-1][0].eval_loss,
         "bytes": bytes_by_region(config, stores),

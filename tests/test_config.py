@@ -61,6 +61,18 @@ def test_step_floor_names_known_regions_and_seconds():
         RunConfig(min_step_s={"eu-west": -1.0})
 
 
+def test_a_run_ends_at_its_last_round_or_its_target_loss():
+    plain = RunConfig(rounds=5)
+    assert plain.ended_by(4, 0.1) is None  # no target: a low loss ends nothing
+    assert plain.ended_by(5, 9.0) == "all 5 rounds published"
+    target = RunConfig(rounds=5, target_loss=2.5)
+    assert target.ended_by(3, 2.51) is None
+    assert target.ended_by(3, 2.5) == "round 3 reached the target eval loss 2.5 (2.5000)"
+    assert target.ended_by(5, 3.0) == "all 5 rounds published"
+    with pytest.raises(ValidationError, match="target_loss"):
+        RunConfig(target_loss=0)
+
+
 def test_load_config_file_with_nested_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('rounds = 3\ncodec = "bf16"\n[quorum]\ngrace_max_s = 2.5\nmin_quorum = 1\n[merge]\nouter_lr = 0.3\n')
@@ -95,8 +107,8 @@ def test_load_config_errors_name_the_field(tmp_path):
 
 def test_cli_overrides_map_flags_to_fields():
     args = cli.parser().parse_args(["run", "--min-quorum", "2", "--inner-steps", "7", "--speed", "us-east=0.5",
-                                    "--speed", "eu-west=1", "--codec", "bf16"])
-    assert cli.overrides(args) == {"quorum.min_quorum": 2, "inner_steps": 7, "codec": "bf16",
+                                    "--speed", "eu-west=1", "--codec", "bf16", "--target-loss", "2.4"])
+    assert cli.overrides(args) == {"quorum.min_quorum": 2, "inner_steps": 7, "codec": "bf16", "target_loss": 2.4,
                                    "speed": {"us-east": 0.5, "eu-west": 1.0}}
     # other regions without --speed: the demo's eu-west slowdown no longer applies
     args = cli.parser().parse_args(["run", "--regions", "a-1, b-2"])
