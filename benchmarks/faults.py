@@ -49,13 +49,16 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     """The three runs and the target loss. The faults must fall inside the time measured: the
     killed learner is away for rounds 10–20, and the report's `target_reached_at_round` shows
     where each run got to 2.35: rounds 18–29 in every run so far, so the kill falls on each run's
-    way to the target, and the seven rounds after 29 give room."""
+    way to the target. Each run ends at the round that reaches the target (`target_loss`): the
+    rounds after it measured nothing. 36 rounds is only the cap. --quick reaches its target in
+    round 1, before the faults, so its runs go on to round 6 to rehearse the kill and restart."""
     h, rounds, target, (kill, restart) = (5, 6, 4.5, (2, 4)) if quick else (10, 36, 2.35, (10, 20))
     floor = step_floor_s()
     capped = tuple((r, floor) for r in pipeline.REGIONS)
     faulty = tuple((r, 3 * floor if r == SLOW else floor) for r in pipeline.REGIONS)
     chaos = (f"kill:{KILLED}@round{kill}", f"restart:{KILLED}@round{restart}")
-    a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=(), min_step_s=capped, warmup=2 if quick else 50)
+    a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=(), min_step_s=capped, warmup=2 if quick else 50,
+                      target_loss=None if quick else target)
     b = replace(a, name="fb", min_step_s=faulty, chaos=chaos)
     c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, rebase=False,
                 round_timeout_s=20.0)

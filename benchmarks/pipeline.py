@@ -75,6 +75,7 @@ class Spec:
     total_steps: int = 600
     chaos: tuple[str, ...] = ()
     init: str | None = None  # a name in WARM_STARTS: round 0 is that model instead of the seeded one
+    target_loss: float | None = None  # end the run at the first round this good (RunConfig.target_loss)
 
     def config(self) -> dict:
         return {
@@ -84,6 +85,7 @@ class Spec:
             "rebase": self.rebase, "carry": self.carry,
             "inner": {"batch_size": BATCH, "warmup_steps": self.warmup, "total_steps": self.total_steps},
             "quorum": {"min_quorum": self.min_quorum, "round_timeout_s": self.round_timeout_s},
+            **({"target_loss": self.target_loss} if self.target_loss is not None else {}),
         }
 
 
