@@ -106,7 +106,8 @@ def report_markdown(summary: dict, rows: list[dict], manifests: list[Manifest], 
         f"# {run}",
         "",
         f"Eval loss {summary['eval_loss_round0']:.4f} at round 0 → {summary['eval_loss_final']:.4f} at round "
-        f"{summary['rounds_published']}, in {summary['wall_s']:.0f} s.",
+        f"{summary['rounds_published']}, in {summary['wall_s']:.0f} s."
+        + (f" Ended: {summary['ended']}." if summary.get("ended") else ""),
         "",
         f"![loss curve of {run}]({data_uri(chart)})",
         "",

@@ -73,9 +73,12 @@ class RunConfig(BaseModel):
     run_id: str | None = Field(None, description="Run name (lowercase, digits, '-'); a fresh one when empty.")
     regions: list[str] = Field(["us-east", "eu-west", "ap-south", "sa-east"], description="One bucket and work pool per region.")
     learners_per_region: int = Field(1, ge=1, le=64, description="Learners in each region.")
-    rounds: int = Field(12, ge=1, description="Outer rounds to publish after round 0 (at most, with target_loss).")
+    rounds: int = Field(12, ge=1, description="Outer rounds to publish after round 0 (at most, with target_loss or token_budget).")
     target_loss: float | None = Field(
         None, gt=0, description="Stop early once a published round's held-out eval loss is at most this (empty: run all the rounds)."
+    )
+    token_budget: int | None = Field(
+        None, gt=0, description="Stop early once the rounds have merged this many trained tokens into the global model (empty: no budget)."
     )
     inner_steps: int = Field(50, description="H: inner steps per phase between two deltas.")
     model: Literal["tiny", "small"] = Field("tiny", description="Model preset: tiny (~0.9M params) or small (~11M).")
@@ -190,10 +193,22 @@ class RunConfig(BaseModel):
     def slowdown(self, region: str) -> float:
         return 1.0 / self.speed.get(region, 1.0)
 
-    def ended_by(self, round_: int, eval_loss: float) -> str | None:
-        """Why the run is over once round `round_` is published with `eval_loss`; None: go on."""
+    def end_rule(self) -> str:
+        """When the run ends, in words: its rounds, or its target loss or token budget when set."""
+        parts = [f"{self.rounds} rounds"]
+        if self.target_loss is not None:
+            parts.append(f"eval loss {self.target_loss:g}")
+        if self.token_budget is not None:
+            parts.append(f"{self.token_budget:,} tokens merged")
+        return " or ".join(parts)
+
+    def ended_by(self, round_: int, eval_loss: float, tokens_applied: int) -> str | None:
+        """Why the run is over once round `round_` is published with `eval_loss` and
+        `tokens_applied` tokens merged so far (Manifest.tokens_applied); None: go on."""
         if self.target_loss is not None and eval_loss <= self.target_loss:
             return f"round {round_} reached the target eval loss {self.target_loss:g} ({eval_loss:.4f})"
+        if self.token_budget is not None and tokens_applied >= self.token_budget:
+            return f"round {round_} merged the token budget of {self.token_budget:,} ({tokens_applied:,})"
         if round_ >= self.rounds:
             return f"all {self.rounds} rounds published"
         return None

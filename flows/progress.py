@@ -24,8 +24,7 @@ class ProgressView:
         self.console.print(
             f"[bold]{self.run}[/]: {config.num_learners} learners in {', '.join(config.regions)} "
             f"(slowed: {slow}); H={config.inner_steps}, Q_min={config.quorum.min_quorum}, "
-            f"{config.rounds} rounds{f' or eval loss {config.target_loss:g}' if config.target_loss is not None else ''}; "
-            f"round {newest.round} eval loss {newest.eval_loss:.4f}"
+            f"{config.end_rule()}; round {newest.round} eval loss {newest.eval_loss:.4f}"
         )
         self.console.print(f"[dim]{'round':>5}  {'closed by':<12} {'wait s':>6}  {'eval loss':>9}  {'in':>8}  contributors (learner@staleness)[/]")
 

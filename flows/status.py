@@ -73,6 +73,7 @@ def round_row(m: Manifest) -> dict:
         "contributors": [f"{c.learner}@s{c.staleness}" for c in m.contributions],
         "excluded": [f"{e.key}: {e.reason}" for e in m.excluded],
         "eval_loss": m.eval_loss,
+        "tokens_applied": m.tokens_applied,
         "created_at": m.created_at,
     }
 
@@ -137,7 +138,9 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
         raise StoreError(f"{run_id}: no such run in {template}; check the run id or pass --store") from None
     stores = Stores(template, config.regions)
     chain = [m for m, _ in read_chain(stores.global_, run_id)]
-    finished = config.ended_by(chain[-1].round, chain[-1].eval_loss) is not None or stop_requested(stores.global_, run_id)
+    newest = chain[-1]
+    finished = (config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied) is not None
+                or stop_requested(stores.global_, run_id))
     states = learner_flow_states(run_id)
     return {
         "run_id": run_id,
@@ -145,6 +148,8 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
         "state": "finished" if finished else "running",
         "rounds_target": config.rounds,
         "target_loss": config.target_loss,
+        "token_budget": config.token_budget,
+        "tokens_applied": newest.tokens_applied,
         "rounds_published": chain[-1].round,
         "eval_loss": chain[-1].eval_loss,
         "prefect_api": os.environ.get("PREFECT_API_URL") if states is not None else None,
@@ -157,7 +162,8 @@ def render(s: dict) -> str:
     lines = [
         f"{s['run_id']}: {s['state']}, {s['rounds_published']}/{s['rounds_target']} rounds published; "
         f"latest eval loss {s['eval_loss']:.4f} (round {s['rounds_published']})"
-        + (f", target {s['target_loss']:g}" if s["target_loss"] is not None else ""),
+        + (f", target {s['target_loss']:g}" if s["target_loss"] is not None else "")
+        + (f"; {s['tokens_applied']:,} of {s['token_budget']:,} budgeted tokens merged" if s["token_budget"] is not None else ""),
         f"store {s['store']}; Prefect {s['prefect_api'] or 'not reachable (learner states from storage only)'}",
         "",
         f"{'round':>5}  {'closed by':<12} {'in':>5}  {'eval loss':>9}  contributors (learner@staleness)",

@@ -1,5 +1,5 @@
 """The training-run flow (the driver): create or continue a run, launch learners, run outer
-rounds until the last one or the target loss, stop the learners, report.
+rounds until the last one, the target loss or the token budget, stop the learners, report.
 
 Learners are flow runs of a deployment, so on a cluster each runs in its region's work pool and
 on one machine the local runner starts them as processes — the same call either way.
@@ -120,7 +120,7 @@ def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, in
 @flow(name="training-run", flow_run_name=_name)
 def training_run(config: RunConfig, chaos: list[str] | None = None) -> dict:
     """Train until `config.rounds` outer rounds are published, or a round reaches
-    `config.target_loss`; returns the run summary.
+    `config.target_loss` or `config.token_budget`; returns the run summary.
 
     `chaos`: learner kills/restarts and synchronizer crashes to rehearse (flows.chaos), e.g.
     ["kill:eu-west@round3", "crash:synchronizer@publish.after_model"].
@@ -149,11 +149,10 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
     retired = retire_learners(run) if epoch > 0 else []
     if retired:
         log.warning("%s: learner runs %s of an earlier driver never ended; marked cancelled", run, ", ".join(retired))
-    ended = config.ended_by(newest.round, newest.eval_loss)
+    ended = config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied)
     learner_ids = launch_learners(config, store, epoch) if ended is None else []
-    until = f" (or until eval loss {config.target_loss:g})" if config.target_loss is not None else ""
-    log.info("%s: %d learners launched under driver epoch %d; rounds %d..%d to go%s", run, len(learner_ids), epoch,
-             start + 1, config.rounds, until)
+    log.info("%s: %d learners launched under driver epoch %d; from round %d until %s", run, len(learner_ids), epoch,
+             start + 1, config.end_rule())
     try:
         r = start
         while ended is None:
@@ -166,7 +165,7 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
             learner_ids += chaos.after_round(
                 run, r, config.learners(), lambda learner, region: launch_learner(config, store, learner, region, epoch)
             )
-            ended = config.ended_by(r, published["eval_loss"])
+            ended = config.ended_by(r, published["eval_loss"], published["tokens_applied"])
     finally:
         if ended is not None:
             log.info("%s: done: %s", run, ended)

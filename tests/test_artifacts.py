@@ -97,6 +97,7 @@ def test_line_chart_refuses_nothing_to_draw():
 def test_report_has_the_chart_quorum_decisions_bytes_and_where_things_are():
     summary = {
         "run_id": "run-abc", "eval_loss_round0": 5.5, "eval_loss_final": 3.5, "rounds_published": 2, "wall_s": 42.0,
+        "ended": "round 2 reached the target eval loss 3.5 (3.5000)",
         "checkpoints": "s3://islands-global/runs/run-abc/rounds/",
         "bytes": {"east": {"written": 2_000_000, "read": 1_000_000}, "synchronizer": {"written": 5, "read": 7}},
     }
@@ -104,6 +105,7 @@ def test_report_has_the_chart_quorum_decisions_bytes_and_where_things_are():
              "excluded": [f"{e.key}: {e.reason}" for e in m.excluded]} for m in CHAIN[1:]]
     md = report_markdown(summary, rows, CHAIN, Stores("memory://islands-{bucket}", ["east", "west"]))
     assert "![loss curve of run-abc](data:image/svg+xml;base64," in md
+    assert "at round 2, in 42 s. Ended: round 2 reached the target eval loss 3.5 (3.5000)." in md
     assert "| 2 | quorum+grace | 1/2 (Q_min 1) | 1.5 | x | k/west-0/1: non-finite values | 3.5000 |" in md
     assert "| east | 2.00 MB | 1.00 MB |" in md
     assert "- west: deltas and learner states under `memory://islands-west/runs/run-abc/`" in md

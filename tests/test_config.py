@@ -61,16 +61,22 @@ def test_step_floor_names_known_regions_and_seconds():
         RunConfig(min_step_s={"eu-west": -1.0})
 
 
-def test_a_run_ends_at_its_last_round_or_its_target_loss():
+def test_a_run_ends_at_its_last_round_its_target_loss_or_its_token_budget():
     plain = RunConfig(rounds=5)
-    assert plain.ended_by(4, 0.1) is None  # no target: a low loss ends nothing
-    assert plain.ended_by(5, 9.0) == "all 5 rounds published"
+    assert plain.ended_by(4, 0.1, 10**9) is None  # neither set: a low loss or many tokens end nothing
+    assert plain.ended_by(5, 9.0, 0) == "all 5 rounds published"
     target = RunConfig(rounds=5, target_loss=2.5)
-    assert target.ended_by(3, 2.51) is None
-    assert target.ended_by(3, 2.5) == "round 3 reached the target eval loss 2.5 (2.5000)"
-    assert target.ended_by(5, 3.0) == "all 5 rounds published"
-    with pytest.raises(ValidationError, match="target_loss"):
-        RunConfig(target_loss=0)
+    assert target.ended_by(3, 2.51, 0) is None
+    assert target.ended_by(3, 2.5, 0) == "round 3 reached the target eval loss 2.5 (2.5000)"
+    assert target.ended_by(5, 3.0, 0) == "all 5 rounds published"
+    budget = RunConfig(rounds=5, token_budget=1000)
+    assert budget.ended_by(2, 1.0, 999) is None
+    assert budget.ended_by(2, 1.0, 1000) == "round 2 merged the token budget of 1,000 (1,000)"
+    assert plain.end_rule() == "5 rounds"
+    assert RunConfig(rounds=5, target_loss=2.5, token_budget=10**6).end_rule() == "5 rounds or eval loss 2.5 or 1,000,000 tokens merged"
+    for field in ("target_loss", "token_budget"):
+        with pytest.raises(ValidationError, match=field):
+            RunConfig(**{field: 0})
 
 
 def test_load_config_file_with_nested_overrides(tmp_path):
@@ -107,9 +113,10 @@ def test_load_config_errors_name_the_field(tmp_path):
 
 def test_cli_overrides_map_flags_to_fields():
     args = cli.parser().parse_args(["run", "--min-quorum", "2", "--inner-steps", "7", "--speed", "us-east=0.5",
-                                    "--speed", "eu-west=1", "--codec", "bf16", "--target-loss", "2.4"])
+                                    "--speed", "eu-west=1", "--codec", "bf16", "--target-loss", "2.4",
+                                    "--token-budget", "5000"])
     assert cli.overrides(args) == {"quorum.min_quorum": 2, "inner_steps": 7, "codec": "bf16", "target_loss": 2.4,
-                                   "speed": {"us-east": 0.5, "eu-west": 1.0}}
+                                   "token_budget": 5000, "speed": {"us-east": 0.5, "eu-west": 1.0}}
     # other regions without --speed: the demo's eu-west slowdown no longer applies
     args = cli.parser().parse_args(["run", "--regions", "a-1, b-2"])
     assert cli.overrides(args) == {"regions": ["a-1", "b-2"]}

@@ -1,5 +1,6 @@
-"""End to end: a run with a target loss ends at the first round that reaches it, long before its
-last round, with its learners stopped the usual way; status and resume treat it as finished."""
+"""End to end: a run with a target loss or a token budget ends at the first round that reaches
+it, long before its last round, with its learners stopped the usual way; status and resume
+treat it as finished."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from conftest import STACK_REGIONS
 
 ROUNDS, TARGET = 40, 5.0  # round 0 evaluates at about 5.5; H=8 rounds pass 5.0 within a few
+BUDGET = 3 * 8 * 16 * 128  # three phases of 8 steps of 16 × 128 tokens
 
 
 def islands(env: dict, *args: str) -> dict:
@@ -28,25 +30,40 @@ def env(islands_stack):
     return {**os.environ, **s.env(), "ISLANDS_HOME": str(home)}
 
 
+def run(env: dict, run_id: str, *until: str) -> dict:
+    return islands(env, "run", "--run-id", run_id, "--regions", ",".join(STACK_REGIONS), "--rounds", str(ROUNDS),
+                   "--inner-steps", "8", "--min-quorum", "1", *until)
+
+
 @pytest.fixture(scope="module")
-def ended_run(env):
-    return islands(env, "run", "--run-id", "target-run", "--regions", ",".join(STACK_REGIONS), "--rounds", str(ROUNDS),
-                   "--inner-steps", "8", "--min-quorum", "1", "--target-loss", str(TARGET))
+def target_run(env):
+    return run(env, "target-run", "--target-loss", str(TARGET))
 
 
-def test_the_run_ends_at_the_first_round_under_the_target(ended_run, env):
-    last = ended_run["rounds_published"]
+def test_a_run_ends_at_the_first_round_under_its_target_loss(target_run, env):
+    last = target_run["rounds_published"]
     assert 1 <= last < ROUNDS
-    assert ended_run["eval_loss_final"] <= TARGET < ended_run["eval_loss_round0"]
-    assert ended_run["ended"].startswith(f"round {last} reached the target eval loss {TARGET:g}")
+    assert target_run["eval_loss_final"] <= TARGET < target_run["eval_loss_round0"]
+    assert target_run["ended"].startswith(f"round {last} reached the target eval loss {TARGET:g}")
     # The learners were told to stop, as at a run's last round, and ended by themselves.
-    assert set(ended_run["learners"].values()) == {"Completed"}
+    assert set(target_run["learners"].values()) == {"Completed"}
     status = islands(env, "status", "target-run")
     assert status["state"] == "finished" and status["target_loss"] == TARGET
     assert all(r["eval_loss"] > TARGET for r in status["rounds"][:-1])
 
 
-def test_resume_of_an_ended_run_publishes_nothing(ended_run, env):
+def test_resume_of_an_ended_run_publishes_nothing(target_run, env):
     again = islands(env, "resume", "target-run")
-    assert again["rounds_published"] == ended_run["rounds_published"]
-    assert again["ended"] == ended_run["ended"] and again["learners"] == {}
+    assert again["rounds_published"] == target_run["rounds_published"]
+    assert again["ended"] == target_run["ended"] and again["learners"] == {}
+
+
+def test_a_run_ends_at_the_first_round_that_merges_its_token_budget(env):
+    summary = run(env, "budget-run", "--token-budget", str(BUDGET))
+    last = summary["rounds_published"]
+    assert 1 <= last < ROUNDS and summary["ended"].startswith(f"round {last} merged the token budget of {BUDGET:,}")
+    assert set(summary["learners"].values()) == {"Completed"}
+    status = islands(env, "status", "budget-run")
+    assert status["state"] == "finished" and status["tokens_applied"] >= BUDGET
+    assert [r["round"] for r in status["rounds"]] == list(range(1, last + 1))
+    assert all(r["tokens_applied"] < BUDGET for r in status["rounds"][:-1])
