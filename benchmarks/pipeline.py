@@ -76,6 +76,7 @@ class Spec:
     chaos: tuple[str, ...] = ()
     init: str | None = None  # a name in WARM_STARTS: round 0 is that model instead of the seeded one
     target_loss: float | None = None  # end the run at the first round this good (RunConfig.target_loss)
+    token_budget: int | None = None  # end the run once its rounds have merged this many tokens
 
     def config(self) -> dict:
         return {
@@ -85,7 +86,8 @@ class Spec:
             "rebase": self.rebase, "carry": self.carry,
             "inner": {"batch_size": BATCH, "warmup_steps": self.warmup, "total_steps": self.total_steps},
             "quorum": {"min_quorum": self.min_quorum, "round_timeout_s": self.round_timeout_s},
-            **({"target_loss": self.target_loss} if self.target_loss is not None else {}),
+            **{key: value for key, value in (("target_loss", self.target_loss), ("token_budget", self.token_budget))
+               if value is not None},
         }
 
 
