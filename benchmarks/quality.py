@@ -1,8 +1,9 @@
 """Quality at equal tokens: data-parallel, synchronous DiLoCo and the decoupled pipeline.
 
 Same tiny model, data, seed and token budget (4 learners × 600 steps × 16 × 128 bytes), one
-held-out evaluation for all (benchmarks.heldout). The pipeline's learners run until its last
-round, so it is compared at the first round by which its learners had trained the budget.
+held-out evaluation for all (benchmarks.heldout). A pipeline run ends at the round that has
+merged the budget's tokens (`token_budget`); it is compared at the first round by which its
+learners had trained the budget.
 `quality` is seed 0 from scratch; `quality_robust` repeats from a warm start and a second seed.
 """
 
