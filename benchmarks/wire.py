@@ -101,8 +101,10 @@ def run(quick: bool) -> Result:
     loss4, f4 = at_budget(int4, b.tokens)
     res.raw["loss_fp32_h%d" % h10], res.raw["loss_int4_h%d" % h10] = {"loss": loss32, **f32}, {"loss": loss4, **f4}
     res.rows.insert(2, at_most(f"wire: held-out loss int4 / fp32, H={h10}", loss4 / loss32, INT4_LOSS_BAR,
-                               f"int4 deltas, {INT4_UPDATES} updates, with error feedback on both sides: what is left is the "
-                               "quantization noise of the most recent steps at this budget"))
+                               f"int4 deltas, {INT4_UPDATES} updates, with error feedback on both sides; the budget was "
+                               f"reached at round {f4['round']} with int4 and {f32['round']} with fp32: rounds that close on "
+                               "more deltas give fewer outer steps for the same tokens, and at this third of the quality "
+                               "budget the round count swings with timing"))
     return res
 
 
