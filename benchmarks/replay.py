@@ -62,9 +62,11 @@ class _Learner:
     unmerged: dict = field(default_factory=dict)  # phase → delta sent and not yet in a visible round
 
 
-def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -> tuple[dict, dict]:
+def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
+           init: dict | None = None) -> tuple[dict, dict]:
     """Train until the learners have trained the budget's tokens, merging as the synchronizer
-    does (weights from tasks.merge.plan_merge, one Nesterov step); (θ of the last round, facts)."""
+    does (weights from tasks.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
+    Round 0 is `init` when given (a warm start), else the seeded model."""
     block = build_model(PRESET, seed).config.block_size
     cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
     learners = []
@@ -75,7 +77,8 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0) -
     names = [f"l{i}" for i in range(len(learners))]
     policy = QuorumPolicy(min_quorum=schedule.min_quorum, max_quorum=len(learners), grace_max_s=20.0,
                           deadline_s=600.0, grace_fraction=schedule.grace_fraction)
-    rounds = [(0, params_of(build_model(PRESET, seed)), 0.0)]  # (round, θ, visible at)
+    theta0 = init if init is not None else params_of(build_model(PRESET, seed))
+    rounds = [(0, theta0, 0.0)]  # (round, θ, visible at)
     momentum = None
     history = {n: LearnerHistory([], None) for n in names}
     arrived: dict[str, float] = {}

@@ -6,19 +6,29 @@ The replay runs the pipeline's quorum rule, merge plan and default outer step on
 learner at a third of the speed, rounds visible a third of a phase after they close), but with
 a simulated clock, so the learner behaviours are compared on one schedule, side by side, in
 minutes. The bar for the pipeline itself is measured by `quality`; these rows are the replay's.
+
+From quality_robust's warm start (data-parallel for the first half), the pipeline's defaults are
+replayed again with rounds reaching the learners a third, two thirds and a whole phase after they
+close: how much of the warm-start gap the publish latency alone accounts for.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from benchmarks import heldout
-from benchmarks.inprocess import sync_diloco_from_seed
+from benchmarks.inprocess import Budget, data_parallel, sync_diloco, sync_diloco_from_seed
 from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
 from benchmarks.replay import Schedule, replay
 from benchmarks.report import Result, at_most, standalone
 from flows.config import RunConfig
+from tasks.merge import MergeRule
 from tasks.merge_step import merge_rule
+
+# From the warm start: how long after a round closes the learners see it, in phases.
+LATE = {"a third of a phase": 1 / 3, "two thirds of a phase": 2 / 3, "a whole phase": 1.0}
 
 
 def run(quick: bool) -> Result:
@@ -49,7 +59,24 @@ def run(quick: bool) -> Result:
                             "/ sync DiLoCo", res.raw["carry+catch_up+paced"]["loss"] / sync, DECOUPLED_BAR,
                             "rounds reach learners a third of a phase after they close, so phases start on the round "
                             "before"))
+    warm_start(res, b, h, variants["carry+catch_up+paced"], rule)
     return res
+
+
+def warm_start(res: Result, b: Budget, h: int, defaults: Schedule, rule: MergeRule) -> None:
+    """The defaults from the warm start, with rounds reaching learners later and later."""
+    half = Budget(learners=b.learners, steps=b.steps // 2, warmup=b.warmup)
+    _, warm = data_parallel(b, seed=0)
+    sync = heldout.loss(sync_diloco(half, 0, h, SYNC_RULE, init=warm))
+    res.raw["warm_sync"] = sync
+    for words, late in LATE.items():
+        schedule = replace(defaults, publish_s=late * h * defaults.step_s)
+        theta, facts = replay(half, schedule, rule, init=warm)
+        res.raw[f"warm_late_{late:.2f}"] = {"loss": heldout.loss(theta), "publish_s": schedule.publish_s, **facts}
+        res.rows.append(at_most(f"schedule replay, warm start, H={h}: the defaults, rounds {words} late "
+                                "/ sync DiLoCo", res.raw[f"warm_late_{late:.2f}"]["loss"] / sync, DECOUPLED_BAR,
+                                "the later a round reaches the learners, the more of each phase is trained on weights "
+                                "the outer step has moved past, and carried onto the round only when it arrives"))
 
 
 if __name__ == "__main__":
