@@ -61,6 +61,11 @@ DECOUPLED_LIMIT = ("what is left with carry, lr catch-up and paced phases: round
                    "when the fast learners' phases drift apart, and rounds that reach learners late "
                    "(`python -m benchmarks --only schedule` replays the schedule)")
 
+WARM_LIMIT = ("rounds that reach the learners late: replayed from this warm start (`python -m benchmarks --only "
+              "schedule`), the pipeline's defaults hold with rounds a third of a phase late and miss when they come "
+              "later; on the way from a round's close to the learners, the synchronizer evaluates the held-out loss "
+              "before it writes the manifest")
+
 
 def run(quick: bool) -> Result:
     torch.set_num_threads(2)
@@ -98,12 +103,12 @@ def run_robust(quick: bool) -> Result:
     dec, facts = at_budget(decoupled_spec(quick, h, init="dp-half", steps=half.steps), half.tokens)
     res.raw.update(data_parallel=a, warm_loss=heldout.loss(warm), warm_sync=sync, warm_decoupled={"loss": dec, **facts})
     res.rows.append(at_most(f"quality, warm start: sync DiLoCo H={h} / data-parallel", sync / a, DP_BAR, SYNC_LIMIT))
-    res.rows.append(at_most(f"quality, warm start: decoupled / sync DiLoCo, H={h}", dec / sync, DECOUPLED_BAR, DECOUPLED_LIMIT))
+    res.rows.append(at_most(f"quality, warm start: decoupled / sync DiLoCo, H={h}", dec / sync, DECOUPLED_BAR, WARM_LIMIT))
     sync1 = heldout.loss(sync_diloco(half, 1, h, SYNC_RULE, init=warm))
     dec1, facts1 = at_budget(decoupled_spec(quick, h, seed=1, init="dp-half", steps=half.steps), half.tokens)
     res.raw.update(seed1_warm_sync=sync1, seed1_warm_decoupled={"loss": dec1, **facts1})
     res.rows.append(at_most(f"quality, warm start, seed 1: decoupled / sync DiLoCo, H={h}", dec1 / sync1, DECOUPLED_BAR,
-                            DECOUPLED_LIMIT))
+                            WARM_LIMIT))
     return res
 
 
