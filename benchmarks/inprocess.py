@@ -27,6 +27,11 @@ class Budget:
     def tokens(self) -> int:
         return self.learners * self.steps * BATCH * build_model(PRESET, 0).config.block_size
 
+    @property
+    def second_half(self) -> "Budget":
+        """What is left after the warm start (data-parallel's half-way model)."""
+        return Budget(learners=self.learners, steps=self.steps // 2, warmup=self.warmup)
+
 
 @lru_cache(maxsize=2)
 def data_parallel(budget: Budget, seed: int) -> tuple[dict, dict]:
@@ -63,3 +68,11 @@ def sync_diloco_from_seed(budget: Budget, seed: int, h: int, rule: MergeRule) ->
     """`sync_diloco` from the seeded model, trained once per process: the quality and schedule
     parts of one suite run compare against the same run (callers must not change it)."""
     return sync_diloco(budget, seed, h, rule)
+
+
+@lru_cache(maxsize=4)
+def sync_diloco_from_warm(budget: Budget, seed: int, h: int, rule: MergeRule) -> dict:
+    """`sync_diloco` over the budget's second half from data-parallel's (seed 0) half-way model,
+    trained once per process: quality_robust and schedule compare against the same run."""
+    _, warm = data_parallel(budget, seed=0)
+    return sync_diloco(budget.second_half, seed, h, rule, init=warm)

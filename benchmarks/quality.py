@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import heldout, pipeline
-from benchmarks.inprocess import Budget, data_parallel, sync_diloco, sync_diloco_from_seed
+from benchmarks.inprocess import Budget, data_parallel, sync_diloco_from_seed, sync_diloco_from_warm
 from benchmarks.report import Result, at_most, standalone
 from tasks.merge import MergeRule
 
@@ -93,18 +93,18 @@ def run_robust(quick: bool) -> Result:
     question (how much of a gap is noise), which keeps the suite's time down."""
     torch.set_num_threads(2)
     b, h = budget(quick), hs(quick)[0]
-    half = Budget(learners=b.learners, steps=b.steps // 2, warmup=b.warmup)
+    half = b.second_half
     res = Result("quality_robust", settings={"budget": b.__dict__, "H": h, "warm": "data-parallel for the first half, "
                                              "then each method for the second half with fresh inner optimizers"})
     dp, warm = data_parallel(b, seed=0)
     pipeline.WARM_STARTS["dp-half"] = warm
     a = heldout.loss(dp)
-    sync = heldout.loss(sync_diloco(half, 0, h, SYNC_RULE, init=warm))
+    sync = heldout.loss(sync_diloco_from_warm(b, 0, h, SYNC_RULE))
     dec, facts = at_budget(decoupled_spec(quick, h, init="dp-half", steps=half.steps), half.tokens)
     res.raw.update(data_parallel=a, warm_loss=heldout.loss(warm), warm_sync=sync, warm_decoupled={"loss": dec, **facts})
     res.rows.append(at_most(f"quality, warm start: sync DiLoCo H={h} / data-parallel", sync / a, DP_BAR, SYNC_LIMIT))
     res.rows.append(at_most(f"quality, warm start: decoupled / sync DiLoCo, H={h}", dec / sync, DECOUPLED_BAR, WARM_LIMIT))
-    sync1 = heldout.loss(sync_diloco(half, 1, h, SYNC_RULE, init=warm))
+    sync1 = heldout.loss(sync_diloco_from_warm(b, 1, h, SYNC_RULE))
     dec1, facts1 = at_budget(decoupled_spec(quick, h, seed=1, init="dp-half", steps=half.steps), half.tokens)
     res.raw.update(seed1_warm_sync=sync1, seed1_warm_decoupled={"loss": dec1, **facts1})
     res.rows.append(at_most(f"quality, warm start, seed 1: decoupled / sync DiLoCo, H={h}", dec1 / sync1, DECOUPLED_BAR,

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks import heldout
-from benchmarks.inprocess import Budget, data_parallel, sync_diloco, sync_diloco_from_seed
+from benchmarks.inprocess import Budget, data_parallel, sync_diloco_from_seed, sync_diloco_from_warm
 from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
 from benchmarks.replay import Schedule, replay
 from benchmarks.report import Result, at_most, standalone
@@ -65,13 +65,12 @@ def run(quick: bool) -> Result:
 
 def warm_start(res: Result, b: Budget, h: int, defaults: Schedule, rule: MergeRule) -> None:
     """The defaults from the warm start, with rounds reaching learners later and later."""
-    half = Budget(learners=b.learners, steps=b.steps // 2, warmup=b.warmup)
     _, warm = data_parallel(b, seed=0)
-    sync = heldout.loss(sync_diloco(half, 0, h, SYNC_RULE, init=warm))
+    sync = heldout.loss(sync_diloco_from_warm(b, 0, h, SYNC_RULE))
     res.raw["warm_sync"] = sync
     for words, late in LATE.items():
         schedule = replace(defaults, publish_s=late * h * defaults.step_s)
-        theta, facts = replay(half, schedule, rule, init=warm)
+        theta, facts = replay(b.second_half, schedule, rule, init=warm)
         res.raw[f"warm_late_{late:.2f}"] = {"loss": heldout.loss(theta), "publish_s": schedule.publish_s, **facts}
         res.rows.append(at_most(f"schedule replay, warm start, H={h}: the defaults, rounds {words} late "
                                 "/ sync DiLoCo", res.raw[f"warm_late_{late:.2f}"]["loss"] / sync, DECOUPLED_BAR,
