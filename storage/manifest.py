@@ -49,6 +49,7 @@ class Contribution(_Strict):
     sha256: str
     finished_at: float  # the learner's clock when it wrote the delta (unix seconds)
     seconds: float  # how long the learner's phase took
+    seen_at: float | None = None  # the synchronizer's clock when it first listed the delta (newer manifests)
 
 
 class Excluded(_Strict):

@@ -49,6 +49,7 @@ class Arrival:
     finished_at: float
     norm: float  # global L2 norm, for spotting outliers among the round's deltas
     delta: TensorFile = field(repr=False)  # the checked copy in the round's spool directory
+    seen_at: float | None = None  # the collector's clock at the listing that found it
 
 
 @dataclass
@@ -187,11 +188,14 @@ def collect(state: RoundState) -> Collected:
     def look(last: bool = False) -> None:
         """Inspect what is new; on the last look, only keys outside the learners' folders (a
         learner's delta that lands now is left for the next round)."""
+        listed_at = time.time()
         new = [(region, key, size) for region, watch in watches.items()
                for key, size in sorted(watch.look(everything=last).items())
                if key not in consumed and key not in seen and not (last and watch.owned(key))]
         for (_, key, _), found in zip(new, inspect_all(state, new)):
             seen[key] = found
+            if isinstance(found, Arrival):
+                found.seen_at = listed_at
             if isinstance(found, Excluded):
                 log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
 
@@ -204,7 +208,7 @@ def collect(state: RoundState) -> Collected:
         fresh: dict[str, float] = {}
         for a in arrivals:
             if a.base_round == state.round - 1:
-                fresh[a.learner] = min(fresh.get(a.learner, a.finished_at), a.finished_at)
+                fresh[a.learner] = min(fresh.get(a.learner, a.seen_at), a.seen_at)
         now = time.time()
         decision = decide(policy, started, now, fresh, learners, history)
         if decision.close:

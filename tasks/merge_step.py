@@ -142,7 +142,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
         contributions.append(Contribution(
             learner=a.learner, region=a.region, phase=a.phase, base_round=a.base_round, staleness=w.staleness,
             tokens=a.tokens, tokens_counted=w.tokens_counted, weight=w.weight, loss=a.loss, bytes=a.bytes,
-            key=a.key, sha256=a.sha256, finished_at=a.finished_at, seconds=a.seconds,
+            key=a.key, sha256=a.sha256, finished_at=a.finished_at, seconds=a.seconds, seen_at=a.seen_at,
         ))
     loss = eval_loss(state, model)
     log.info("%s round %d: merged %d deltas (%s), eval loss %.4f", state.run, state.round, len(contributions),

@@ -15,6 +15,7 @@ class QuorumPolicy:
     grace_max_s: float
     deadline_s: float
     grace_fraction: float | None = None  # also cap the grace at this fraction of a typical phase
+    listing_s: float = 0.0  # a delta can land this long before it is seen: the listing period
 
     def grace_s(self, history: dict[str, "LearnerHistory"]) -> float:
         """The grace window: grace_max_s, and at most grace_fraction × the median recent phase time
@@ -35,6 +36,8 @@ class QuorumPolicy:
             raise ValueError(f"QuorumPolicy.grace_max_s must be >= 0 seconds (0: no grace), got {self.grace_max_s}")
         if self.deadline_s <= 0:
             raise ValueError(f"QuorumPolicy.deadline_s must be positive seconds, got {self.deadline_s}")
+        if self.listing_s < 0:
+            raise ValueError(f"QuorumPolicy.listing_s must be >= 0 seconds, got {self.listing_s}")
         if self.grace_fraction is not None and self.grace_fraction < 0:
             raise ValueError(f"QuorumPolicy.grace_fraction must be >= 0 (0: no grace), got {self.grace_fraction}")
 
@@ -43,9 +46,16 @@ class QuorumPolicy:
 class LearnerHistory:
     phase_seconds: list[float]  # recent phase durations, newest last
     last_arrival: float | None  # clock time of its last delta
+    cycle_s: float | None = None  # time between its deltas' arrivals, when known
 
     def expected_arrival(self) -> float | None:
-        if self.last_arrival is None or not self.phase_seconds:
+        """The last arrival plus the time between arrivals; without that, plus the mean phase
+        (which leaves out what a learner does between phases: encoding, uploading)."""
+        if self.last_arrival is None:
+            return None
+        if self.cycle_s is not None:
+            return self.last_arrival + self.cycle_s
+        if not self.phase_seconds:
             return None
         return self.last_arrival + sum(self.phase_seconds) / len(self.phase_seconds)
 
@@ -69,7 +79,9 @@ def decide(
     """Close at max_quorum, or after a grace window past min_quorum, or at the hard deadline.
 
     The grace window waits only for missing learners expected (from their recent phase times) by
-    the quorum time + the grace (`QuorumPolicy.grace_s`); a learner with no history is not waited for.
+    the quorum time + the grace (`QuorumPolicy.grace_s`), and for one listing period past their
+    expected arrival, since a delta that lands right after a look is seen a period later; a
+    learner with no history is not waited for.
     """
     missing = tuple(sorted(name for name in learners if name not in arrived))
     deadline = started_at + policy.deadline_s
@@ -81,7 +93,7 @@ def decide(
         grace_end = quorum_at + policy.grace_s(history)
         expected = {name: history[name].expected_arrival() if name in history else None for name in missing}
         worth_waiting = {name: t for name, t in expected.items() if t is not None and t <= grace_end}
-        close_at = min(max(worth_waiting.values(), default=quorum_at), grace_end)
+        close_at = min(max(worth_waiting.values(), default=quorum_at), grace_end) + policy.listing_s
         if not worth_waiting or now >= close_at:
             return Decision(close=True, reason="quorum+grace", recheck_at=None, waiting_for=())
         waiting_for = tuple(sorted(worth_waiting))

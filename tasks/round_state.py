@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import statistics
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from flows.config import RunConfig
 from infra.process import pid_alive
 from storage.corpus import read_corpus
-from storage.manifest import Manifest
+from storage.manifest import Contribution, Manifest
 from storage.rounds import get_tensors, read_chain
 from storage.store import Stores
 from tasks.compress import split_residual
@@ -87,16 +88,18 @@ class RoundState:
         return {c.sha256: c.key for m, _ in self.chain for c in m.contributions}
 
     def history(self) -> dict[str, LearnerHistory]:
-        """Each learner's recent phase times and last arrival, from the manifests."""
-        seen: dict[str, list] = defaultdict(list)
+        """Each learner's recent phase times, last arrival and time between arrivals, from the
+        manifests; arrivals on the synchronizer's clock (when it saw a delta) where they say it."""
+        merged: dict[str, list] = defaultdict(list)
         for manifest, _ in self.chain:
             for c in manifest.contributions:
-                seen[c.learner].append(c)
+                merged[c.learner].append(c)
         out = {}
         for learner, _, _ in self.config.learners():
-            recent = sorted(seen.get(learner, []), key=lambda c: c.finished_at)[-HISTORY:]
+            recent = sorted(merged.get(learner, []), key=lambda c: c.phase)[-HISTORY:]
             out[learner] = LearnerHistory(
-                phase_seconds=[c.seconds for c in recent], last_arrival=recent[-1].finished_at if recent else None
+                phase_seconds=[c.seconds for c in recent],
+                last_arrival=recent[-1].finished_at + seen_lag(recent) if recent else None, cycle_s=cycle(recent),
             )
         return out
 
@@ -104,7 +107,7 @@ class RoundState:
         q = self.config.quorum
         return QuorumPolicy(
             min_quorum=q.min_quorum, max_quorum=self.config.max_quorum, grace_max_s=q.grace_max_s, deadline_s=q.round_timeout_s,
-            grace_fraction=q.grace_fraction,
+            grace_fraction=q.grace_fraction, listing_s=q.poll_s,
         )
 
     def eval_batches(self) -> list:
@@ -114,6 +117,20 @@ class RoundState:
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""
         return sum(t.numel() * 4 for t in self.model.values()) + 1_000_000
+
+
+def cycle(recent: list[Contribution]) -> float | None:
+    """A learner's time from one delta to the next, from its finish times (its own clock, so
+    how late the synchronizer happened to look does not enter): the median per phase, so a
+    skipped phase does not count double; None under two deltas."""
+    per_phase = [(b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(recent, recent[1:]) if b.phase > a.phase]
+    return statistics.median(per_phase) if per_phase else None
+
+
+def seen_lag(recent: list[Contribution]) -> float:
+    """From a learner's finish time to the synchronizer seeing its delta, at best: the upload and
+    the clocks' offset, without the wait for the next look (0 in manifests that do not say)."""
+    return min((c.seen_at - c.finished_at for c in recent if c.seen_at is not None), default=0.0)
 
 
 def remove_dead_spools(run: str) -> list[Path]:

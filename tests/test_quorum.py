@@ -1,6 +1,8 @@
 import pytest
 
+from storage.manifest import Contribution
 from tasks.quorum import Decision, LearnerHistory, QuorumPolicy, decide
+from tasks.round_state import cycle, seen_lag
 
 POLICY = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0)
 LEARNERS = ["a", "b", "c", "d"]
@@ -20,6 +22,24 @@ def test_expected_arrival():
     assert LearnerHistory([100.0, 110.0], 1020.0).expected_arrival() == 1125.0
     assert LearnerHistory([], 1020.0).expected_arrival() is None
     assert LearnerHistory([100.0], None).expected_arrival() is None
+    # The time between arrivals, when known, wins over the phase time (it holds the upload too).
+    assert LearnerHistory([100.0, 110.0], 1020.0, cycle_s=112.0).expected_arrival() == 1132.0
+    assert LearnerHistory([], 1020.0, cycle_s=112.0).expected_arrival() == 1132.0
+
+
+def test_a_learner_is_waited_for_one_listing_period_past_its_expected_arrival():
+    # c is expected at 1125; a delta landing then is seen at the next look, up to 2 s later.
+    listed = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0, listing_s=2.0)
+    hist = history(c=(1020.0, [100.0, 110.0]))
+    arrived = {"a": 1100.0, "b": 1110.0}
+    assert at(1110.0, arrived, hist, listed) == Decision(close=False, reason=None, recheck_at=1127.0, waiting_for=("c",))
+    assert at(1126.0, arrived, hist, listed).close is False
+    assert at(1127.0, arrived, hist, listed).reason == "quorum+grace"
+    # Past the grace cap too: a learner expected right at the cap (1140) is still waited for 2 s.
+    capped = history(c=(1020.0, [120.0]))
+    assert at(1110.0, arrived, capped, listed).recheck_at == 1142.0
+    # Nobody worth waiting for: the listing period does not hold the round back.
+    assert at(1110.0, arrived, {}, listed).reason == "quorum+grace"
 
 
 def test_all_in_at_max_quorum():
@@ -116,9 +136,27 @@ def test_deadline_cuts_the_grace_window_short():
         ({"grace_max_s": -1.0}, "grace_max_s"),
         ({"grace_fraction": -0.5}, "grace_fraction"),
         ({"deadline_s": 0.0}, "deadline_s"),
+        ({"listing_s": -0.1}, "listing_s"),
     ],
 )
 def test_invalid_policy_names_the_field(kwargs, field):
     fields = {"min_quorum": 1, "max_quorum": 2, "grace_max_s": 10.0, "deadline_s": 60.0} | kwargs
     with pytest.raises(ValueError, match=f"QuorumPolicy.{field}"):
         QuorumPolicy(**fields)
+
+
+def merged(phase: int, finished_at: float, seen_at: float | None) -> Contribution:
+    return Contribution(learner="a-0", region="a", phase=phase, base_round=0, staleness=0, tokens=1, tokens_counted=1,
+                        weight=1.0, loss=1.0, bytes=1, key=f"k{phase}", sha256="ab" * 32, finished_at=finished_at,
+                        seconds=3.0, seen_at=seen_at)
+
+
+def test_a_learners_cycle_and_lag_come_from_its_merged_deltas():
+    # Finished every 3.5 s on its own clock (phase 3 was never merged: its gap counts per phase);
+    # seen 0.3 s after finishing at best, later when the synchronizer was busy between rounds.
+    recent = [merged(0, 100.0, 100.3), merged(1, 103.5, 104.9), merged(2, 107.0, 107.4), merged(4, 114.0, 114.3)]
+    assert cycle(recent) == 3.5
+    assert seen_lag(recent) == pytest.approx(0.3)
+    assert cycle(recent[:1]) is None
+    # Manifests from before the synchronizer recorded when it saw a delta: the learner's clock alone.
+    assert seen_lag([merged(0, 100.0, None)]) == 0.0
