@@ -98,7 +98,7 @@ def measure(k: int, refs: dict, s3_url: str) -> dict:
     t_read = time.perf_counter()
     model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
     t_merge = time.perf_counter()
-    written = write_objects(state, Merged(model, model_object, update, outer, [], [], float("nan")))
+    written = write_objects(state, Merged(model, model_object, update, outer, [], []))
     state.drop_spool()
     t2 = time.perf_counter()
     peak = vm("VmHWM")

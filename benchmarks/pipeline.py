@@ -28,7 +28,7 @@ from benchmarks.heldout import BATCH, CORPUS, EVAL_BATCHES, PRESET
 from flows.config import load_config
 from storage import layout
 from storage.manifest import Manifest, Quorum
-from storage.rounds import get_tensors, object_metadata, put_tensors, read_chain
+from storage.rounds import get_tensors, object_metadata, put_tensors, read_chain, with_eval_losses
 from storage.store import Stores
 from tasks.publish import commit, hyper
 
@@ -177,7 +177,7 @@ class Run:
 
     @cached_property
     def chain(self) -> list[Manifest]:
-        return [m for m, _ in read_chain(self.stores.global_, self.run_id)]
+        return with_eval_losses(self.stores.global_, [m for m, _ in read_chain(self.stores.global_, self.run_id)])
 
     @cached_property
     def deltas(self) -> list[Delta]:

@@ -63,8 +63,8 @@ DECOUPLED_LIMIT = ("what is left with carry, lr catch-up and paced phases: round
 
 WARM_LIMIT = ("rounds that reach the learners late: replayed from this warm start (`python -m benchmarks --only "
               "schedule`), the pipeline's defaults hold with rounds a third of a phase late and miss when they come "
-              "later; on the way from a round's close to the learners, the synchronizer evaluates the held-out loss "
-              "before it writes the manifest")
+              "later; a round's close to its manifest takes the merge and the writes (the held-out evaluation "
+              "comes after), then learners see it at their next poll")
 
 
 def run(quick: bool) -> Result:

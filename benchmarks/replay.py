@@ -27,7 +27,7 @@ class Schedule:
     h: int
     speeds: tuple[float, ...] = (1.0, 1 / 3, 1.0, 1.0)  # learner i's step rate; eu-west is learner 1
     step_s: float = 0.9  # a full-speed learner's inner step, as in the pipeline at full size
-    publish_s: float = 3.0  # quorum closed → round visible to learners (merge, eval, write, poll)
+    publish_s: float = 3.0  # quorum closed → round visible to learners (merge, write, poll)
     min_quorum: int = 2
     grace_fraction: float = 0.5
     rebase: bool = True

@@ -15,6 +15,7 @@ from prefect.artifacts import (
 )
 
 from flows.plot import data_uri, line_chart
+from flows.progress import loss_text
 from storage import layout
 from storage.manifest import Manifest
 from storage.store import Stores
@@ -91,7 +92,8 @@ def loss_curves(manifests: list[Manifest]) -> dict[str, list[tuple[float, float]
         for c in sorted(m.contributions, key=lambda c: (c.learner, c.phase)):
             curves.setdefault(f"{c.learner} train loss", []).append((merged + c.tokens, c.loss))
         merged += sum(c.tokens for c in m.contributions)
-        curves["global eval loss"].append((merged, m.eval_loss))
+        if m.eval_loss is not None:
+            curves["global eval loss"].append((merged, m.eval_loss))
     return curves
 
 
@@ -121,7 +123,7 @@ def report_markdown(summary: dict, rows: list[dict], manifests: list[Manifest], 
         excluded = "; ".join(r["excluded"]) or "—"
         lines.append(
             f"| {r['round']} | {r['closed_by']} | {q.received}/{q.max_quorum} (Q_min {q.min_quorum}) | {r['waited_s']:.1f} "
-            f"| {r['learners']} | {excluded} | {r['eval_loss']:.4f} |"
+            f"| {r['learners']} | {excluded} | {loss_text(r['eval_loss'])} |"
         )
     lines += ["", "## Bytes sent", "", "| who | wrote | read |", "|---|---|---|"]
     lines += [f"| {who} | {_mb(b['written'])} | {_mb(b['read'])} |" for who, b in summary["bytes"].items()]

@@ -202,10 +202,10 @@ class RunConfig(BaseModel):
             parts.append(f"{self.token_budget:,} tokens merged")
         return " or ".join(parts)
 
-    def ended_by(self, round_: int, eval_loss: float, tokens_applied: int) -> str | None:
-        """Why the run is over once round `round_` is published with `eval_loss` and
-        `tokens_applied` tokens merged so far (Manifest.tokens_applied); None: go on."""
-        if self.target_loss is not None and eval_loss <= self.target_loss:
+    def ended_by(self, round_: int, eval_loss: float | None, tokens_applied: int) -> str | None:
+        """Why the run is over once round `round_` is published with `eval_loss` (None: not
+        evaluated yet) and `tokens_applied` tokens merged so far (Manifest.tokens_applied); None: go on."""
+        if self.target_loss is not None and eval_loss is not None and eval_loss <= self.target_loss:
             return f"round {round_} reached the target eval loss {self.target_loss:g} ({eval_loss:.4f})"
         if self.token_budget is not None and tokens_applied >= self.token_budget:
             return f"round {round_} merged the token budget of {self.token_budget:,} ({tokens_applied:,})"

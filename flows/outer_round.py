@@ -1,4 +1,4 @@
-"""The outer-round flow: collect → merge → publish for one round; one flow run per round.
+"""The outer-round flow: collect → merge → publish → evaluate for one round; one flow run per round.
 
 Everything it needs is read from the global bucket, so retrying a failed run of this flow (from
 the UI, the API or `islands resume`) finishes the round from what is already in storage.
@@ -17,10 +17,11 @@ from flows.artifacts import publish_round_artifacts
 from flows.config import RunConfig
 from storage import layout
 from storage.manifest import Manifest
-from storage.rounds import read_config, read_manifest
+from storage.rounds import evaluated, read_config, read_manifest
 from storage.store import Stores
 from tasks.collect import collect
 from tasks.crash import crash_point
+from tasks.evaluate import evaluate_round
 from tasks.merge_step import merge
 from tasks.publish import publish
 from tasks.round_state import RoundState
@@ -32,7 +33,7 @@ def _name() -> str:
 
 
 def summarize(manifest: Manifest) -> dict:
-    """The per-round facts the driver prints and reports."""
+    """The per-round facts the driver prints and reports (the manifest with its eval loss)."""
     return {
         "round": manifest.round,
         "closed_by": manifest.quorum.closed_by,
@@ -58,8 +59,9 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     # One learner's share of the cores: more threads only spin against the learners beside it.
     torch.set_num_threads(config.threads_per_learner())
     if stores.global_.exists(layout.manifest_key(run_id, round)):  # rounds are published in order
-        log.info("%s round %d is already published; nothing to do", run_id, round)
-        return summarize(read_manifest(stores.global_, run_id, round)[0])
+        log.info("%s round %d is already published; nothing to do but its evaluation, if missing", run_id, round)
+        manifest = read_manifest(stores.global_, run_id, round)[0]
+        return summarize(evaluated(manifest, evaluate_round(config, stores.global_, manifest)))
     t0 = time.perf_counter()
     state = RoundState.load(config, run_id, stores)
     if state.round != round:
@@ -73,11 +75,14 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
         t3 = time.perf_counter()
         timings = {"load_s": round_s(t1 - t0), "collect_s": round_s(t2 - t1), "merge_s": round_s(t3 - t2)}
         published = publish(state, collected, merged, timings)
+        # θ_r in memory is the round's unless another synchronizer's round was adopted.
+        loss = evaluate_round(config, stores.global_, published.manifest,
+                              merged.model if published.outcome != "adopted" else None)
     finally:
         state.drop_spool()
-    manifest_url = f"{stores.global_.url}/{layout.manifest_key(run_id, round)}"
-    publish_round_artifacts(published.manifest, manifest_url)
-    return {**summarize(published.manifest), "outcome": published.outcome}
+    manifest = evaluated(published.manifest, loss)
+    publish_round_artifacts(manifest, f"{stores.global_.url}/{layout.manifest_key(run_id, round)}")
+    return {**summarize(manifest), "outcome": published.outcome}
 
 
 def round_s(seconds: float) -> float:

@@ -12,6 +12,11 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def loss_text(loss: float | None) -> str:
+    """A held-out loss as shown; None for a round published and not evaluated yet."""
+    return "pending" if loss is None else f"{loss:.4f}"
+
+
 class ProgressView:
     def __init__(self, run: str, console: Console | None = None):
         self.run = run

@@ -13,10 +13,11 @@ import time
 from datetime import datetime
 
 from flows.config import RunConfig
+from flows.progress import loss_text
 from flows.training_run import EMBEDDED_STORE
 from storage import layout
 from storage.manifest import Manifest
-from storage.rounds import object_metadata, read_chain, read_config, stop_requested
+from storage.rounds import object_metadata, read_chain, read_config, stop_requested, with_eval_losses
 from storage.store import ObjectMissing, StoreError, Stores
 LATE_AFTER = 2.0  # usual phase times without a new delta before a learner counts as late
 DEAD_AFTER = 5.0  # ... and as dead
@@ -137,7 +138,7 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
     except ObjectMissing:
         raise StoreError(f"{run_id}: no such run in {template}; check the run id or pass --store") from None
     stores = Stores(template, config.regions)
-    chain = [m for m, _ in read_chain(stores.global_, run_id)]
+    chain = with_eval_losses(stores.global_, [m for m, _ in read_chain(stores.global_, run_id)])
     newest = chain[-1]
     finished = (config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied) is not None
                 or stop_requested(stores.global_, run_id))
@@ -161,7 +162,7 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
 def render(s: dict) -> str:
     lines = [
         f"{s['run_id']}: {s['state']}, {s['rounds_published']}/{s['rounds_target']} rounds published; "
-        f"latest eval loss {s['eval_loss']:.4f} (round {s['rounds_published']})"
+        f"latest eval loss {loss_text(s['eval_loss'])} (round {s['rounds_published']})"
         + (f", target {s['target_loss']:g}" if s["target_loss"] is not None else "")
         + (f"; {s['tokens_applied']:,} of {s['token_budget']:,} budgeted tokens merged" if s["token_budget"] is not None else ""),
         f"store {s['store']}; Prefect {s['prefect_api'] or 'not reachable (learner states from storage only)'}",
@@ -171,7 +172,7 @@ def render(s: dict) -> str:
     for r in s["rounds"]:
         extra = f"  excluded {len(r['excluded'])}" if r["excluded"] else ""
         lines.append(
-            f"{r['round']:>5}  {r['closed_by']:<12} {r['received']:>2}/{r['max_quorum']:<2}  {r['eval_loss']:>9.4f}  "
+            f"{r['round']:>5}  {r['closed_by']:<12} {r['received']:>2}/{r['max_quorum']:<2}  {loss_text(r['eval_loss']):>9}  "
             f"{', '.join(r['contributors'])}{extra}"
         )
     lines += ["", f"{'learner':<16} {'region':<12} {'status':<9} {'phase':>5} {'delta age':>9} {'usual':>7} {'rounds':>6}  flow run"]

@@ -30,9 +30,10 @@ from flows.progress import ProgressView
 from flows.chaos import Chaos
 from flows.learner_runs import retire_learners
 from storage import layout, lease
-from storage.rounds import latest_round, object_metadata, read_chain
+from storage.rounds import evaluated, latest_round, object_metadata, read_chain, with_eval_losses
 from storage.store import Stores
 from tasks.crash import LEARNER_POINTS, armed, crash_point, parse
+from tasks.evaluate import evaluate_round
 from tasks.publish import publish_initial
 
 EMBEDDED_STORE = "s3://islands-{bucket}"
@@ -144,6 +145,8 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
     run, store = config.run_id, stores.template
     view = ProgressView(run)
     newest = read_chain(stores.global_, run)[-1][0]
+    # A synchronizer that died between a round's manifest and its evaluation left it to us.
+    newest = evaluated(newest, evaluate_round(config, stores.global_, newest))
     view.header(newest, config)
     progress = RunProgress(run, config.rounds, start)
     retired = retire_learners(run) if epoch > 0 else []
@@ -172,20 +175,20 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
             progress.end(ended)
             stores.global_.put_if_absent(layout.stop_key(run), json.dumps({"rounds": r, "why": ended}).encode())
         learner_states = wait_learners(learner_ids, LEARNER_EXIT_S, cancel=ended is None) if learner_ids else {}
-    chain = read_chain(stores.global_, run)
-    rows = [summarize(m) for m, _ in chain[1:]]
+    chain = with_eval_losses(stores.global_, [m for m, _ in read_chain(stores.global_, run)])
+    rows = [summarize(m) for m in chain[1:]]
     summary = {
         "run_id": run,
-        "rounds_published": chain[-1][0].round,
+        "rounds_published": chain[-1].round,
         "ended": ended,
-        "eval_loss_round0": chain[0][0].eval_loss,
-        "eval_loss_final": chain[-1][0].eval_loss,
+        "eval_loss_round0": chain[0].eval_loss,
+        "eval_loss_final": chain[-1].eval_loss,
         "bytes": bytes_by_region(config, stores),
         "wall_s": round(time.time() - t0, 1),
         "checkpoints": f"{stores.global_.url}/{layout.rounds_prefix(run)}",
         "learners": learner_states,
         **({"chaos": chaos.log} if chaos.log else {}),
     }
-    publish_report(summary, rows, [m for m, _ in chain], stores)
+    publish_report(summary, rows, chain, stores)
     view.footer(summary)
     return summary

@@ -7,6 +7,7 @@ Global bucket (written by the synchronizer and the driver)::
     runs/<run>/rounds/<r:06d>/outer-<sha16>.safetensors   # Nesterov momentum + update residual after r
     runs/<run>/rounds/<r:06d>/update-<sha16>.safetensors  # θ_r − θ_{r−1} in the update codec (r ≥ 1)
     runs/<run>/rounds/<r:06d>/manifest.json               # commit point of round r
+    runs/<run>/rounds/<r:06d>/eval.json                   # θ_r's held-out loss, written after the manifest (r ≥ 1)
     runs/<run>/stop.json                                  # the driver asks learners to stop
     runs/<run>/drivers/<epoch:06d>.json                   # a driver's claim (each run or resume)
     runs/<run>/drivers/<epoch:06d>/beat-<seq:08d>         # its heartbeat (the newest two kept)
@@ -68,6 +69,10 @@ def rounds_prefix(run: str) -> str:
 
 def manifest_key(run: str, round_: int) -> str:
     return round_prefix(run, round_) + "manifest.json"
+
+
+def eval_key(run: str, round_: int) -> str:
+    return f"{round_prefix(run, round_)}eval.json"
 
 
 def model_key(run: str, round_: int, sha256: str) -> str:

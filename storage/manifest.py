@@ -19,6 +19,10 @@ SCHEMA_VERSION = 1
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    def to_bytes(self) -> bytes:
+        """Canonical JSON: the same content always has the same bytes, so the same hash."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
 
 class ObjectRef(_Strict):
     key: str
@@ -74,6 +78,18 @@ class Quorum(_Strict):
     closed_by: Literal["all-in", "quorum+grace", "timeout", "initial"]
 
 
+class Evaluation(_Strict):
+    """A published round's held-out loss, written after its manifest: the learners fetch a round
+    as soon as it is committed, and the evaluation is not on their way."""
+
+    run: str
+    round: int
+    model_sha256: str  # the checkpoint evaluated: the manifest's model
+    eval_loss: float
+    batches: int
+    seconds: float
+
+
 class Manifest(_Strict):
     schema_version: int = SCHEMA_VERSION
     run: str
@@ -88,12 +104,9 @@ class Manifest(_Strict):
     excluded: list[Excluded] = []
     quorum: Quorum
     hyper: dict[str, float | int | str]
-    eval_loss: float
+    eval_loss: float | None = None  # round 0's held-out loss; a later round's is in its Evaluation
     timings: dict[str, float] = {}
     tokens_applied: int = 0  # tokens of every delta merged into rounds 1…r: the run's progress
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":

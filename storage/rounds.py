@@ -15,9 +15,9 @@ import torch
 from storage import layout
 from storage.codec import MAX_HEADER_BYTES, TensorFile, encode_state_object, read_header
 from storage.encoded import EncodedObject
-from storage.manifest import EncodedRef, Manifest, ObjectRef
+from storage.manifest import EncodedRef, Evaluation, Manifest, ObjectRef
 from storage.spool import spool
-from storage.store import IntegrityError, ObjectStore, sha256_hex
+from storage.store import IntegrityError, ObjectMissing, ObjectStore, sha256_hex
 
 
 def latest_round(store: ObjectStore, run: str) -> int | None:
@@ -42,6 +42,35 @@ def newest_round_from(store: ObjectStore, run: str, held: int | None) -> int | N
 def read_manifest(store: ObjectStore, run: str, round_: int) -> tuple[Manifest, str]:
     data = store.get(layout.manifest_key(run, round_))
     return Manifest.from_bytes(data), sha256_hex(data)
+
+
+def read_evaluation(store: ObjectStore, manifest: Manifest) -> Evaluation | None:
+    """The round's evaluation, None while it is not written yet; one of another checkpoint than
+    the manifest's is refused."""
+    try:
+        evaluation = Evaluation.model_validate(json.loads(store.get(layout.eval_key(manifest.run, manifest.round))))
+    except ObjectMissing:
+        return None
+    if evaluation.model_sha256 != manifest.model.sha256 or evaluation.round != manifest.round:
+        raise IntegrityError(f"round {manifest.round}: its evaluation is of another checkpoint")
+    return evaluation
+
+
+def evaluated(manifest: Manifest, loss: float) -> Manifest:
+    """The manifest as readers show it: with the round's held-out loss (a copy; committed
+    manifests are never rewritten)."""
+    return manifest.model_copy(update={"eval_loss": loss})
+
+
+def with_eval_losses(store: ObjectStore, manifests: list[Manifest]) -> list[Manifest]:
+    """The manifests, each with its round's held-out loss where it is known (None where the
+    evaluation is not written yet), for readers that show or test it."""
+    out = []
+    for m in manifests:
+        if m.eval_loss is None and (evaluation := read_evaluation(store, m)) is not None:
+            m = evaluated(m, evaluation.eval_loss)
+        out.append(m)
+    return out
 
 
 def read_chain(store: ObjectStore, run: str, known: list[tuple[Manifest, str]] | None = None) -> list[tuple[Manifest, str]]:

@@ -2,7 +2,7 @@
 
 It walks every round's manifest (the hash chain, each round in its place), re-reads and hashes
 every object a manifest names, checks that each round's model is its parent's plus its published
-update (what learners rebuild it from), balances each learner's token ledger, and with `replay`
+update (what learners rebuild it from) and that its evaluation, once written, is of that model, balances each learner's token ledger, and with `replay`
 recomputes every merge from its recorded deltas and checks the published bits. Reads go through
 storage/ only — no Prefect, no local state — so anyone with read access to the buckets can audit.
 
@@ -29,8 +29,8 @@ from flows.config import RunConfig
 from storage import layout
 from storage.codec import CodecError, decode, decode_state, encode_state, encode_wire, read_header
 from storage.manifest import Contribution, Manifest, ObjectRef
-from storage.rounds import checkpoint_metadata, object_header, read_config
-from storage.store import ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
+from storage.rounds import checkpoint_metadata, object_header, read_config, read_evaluation
+from storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
 from tasks.compress import residual_state, split_residual
 from tasks.merge import Candidate, MergeRule, apply_update, encode_update, merge_round, plan_merge
 from tasks.model import PRESETS, build_model
@@ -171,6 +171,7 @@ class _Audit:
             current.outer = self.fetch_checkpoint(r, m.outer, layout.outer_key(self.run_id, r, m.outer.sha256))
         if r > 0:
             self.walk_update(r, key, m, current, parent)
+            self.check_evaluation(r, m)
         self.walk_deltas(r, m)
         return current
 
@@ -191,6 +192,13 @@ class _Audit:
         if rebuilt != m.model.sha256:
             self.problem(r, m.update.key, f"round {r - 1}'s model + this update gives sha256 {rebuilt[:12]}…, the "
                                           f"published model is {m.model.sha256[:12]}…: learners cannot rebuild round {r}")
+
+    def check_evaluation(self, r: int, m: Manifest) -> None:
+        """A round's evaluation names its model (a missing one is not a loss: it is recomputed)."""
+        try:
+            read_evaluation(self.stores.global_, m)
+        except (IntegrityError, ValueError) as exc:
+            self.problem(r, layout.eval_key(self.run_id, r), _first_line(exc))
 
     def fetch(self, r: int, store: ObjectStore, key: str, sha256: str, size: int | None) -> bytes | None:
         """The named bytes, or None after recording why they are not the named ones."""

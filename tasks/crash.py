@@ -21,7 +21,7 @@ POINTS = {
     "collect.done": "synchronizer: deltas collected, nothing of the round written",
     "publish.after_model": "synchronizer: θ_r written, momentum and manifest not yet",
     "publish.after_outer": "synchronizer: θ_r and momentum written, manifest not yet",
-    "publish.after_manifest": "synchronizer: round committed, its flow run not finished",
+    "publish.after_manifest": "synchronizer: round committed, not yet evaluated",
     "round.after_publish": "driver: round published, next round not started",
 }
 LEARNER_POINTS = frozenset(p for p in POINTS if p.startswith("phase."))

@@ -1,4 +1,4 @@
-"""Merge: turn the collected deltas into θ_r and the new outer momentum, then evaluate θ_r.
+"""Merge: turn the collected deltas into θ_r and the new outer momentum.
 
 The arithmetic is `tasks.merge` (pure); this task decides which deltas take part (norm outliers
 are quarantined, over-stale ones dropped) and keeps the bookkeeping the manifest needs.
@@ -20,9 +20,7 @@ from storage.manifest import Contribution, Excluded
 from storage.rounds import checkpoint_metadata, update_metadata
 from tasks.collect import Arrival, Collected
 from tasks.compress import RESIDUAL_PREFIX
-from tasks.data import evaluate
 from tasks.merge import Candidate, MergeRule, encode_update_tensor, merge_tensor_, plan_merge
-from tasks.model import GPT, PRESETS
 from tasks.round_state import RoundState
 from tasks.validate import norm_outliers
 
@@ -39,7 +37,6 @@ class Merged:
     outer: EncodedObject  # the outer state: momentum and what the update codec has not sent yet
     contributions: list[Contribution]
     excluded: list[Excluded]
-    eval_loss: float
 
 
 def merge_rule(config: RunConfig) -> MergeRule:
@@ -100,15 +97,6 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     return state.model, momentum, model_object, update_object, outer_object, weighted, dropped
 
 
-def eval_loss(state: RoundState, params: dict[str, torch.Tensor]) -> float:
-    """Held-out loss of θ_r; the model is built without weights and takes θ_r's tensors as its
-    own, so θ is not copied."""
-    with torch.device("meta"):
-        model = GPT(PRESETS[state.config.model])
-    model.load_state_dict(params, assign=True)
-    return evaluate(model, state.eval_batches())
-
-
 @task(name="merge", cache_policy=NO_CACHE)
 def merge(state: RoundState, collected: Collected) -> Merged:
     log = get_run_logger()
@@ -144,7 +132,6 @@ def merge(state: RoundState, collected: Collected) -> Merged:
             tokens=a.tokens, tokens_counted=w.tokens_counted, weight=w.weight, loss=a.loss, bytes=a.bytes,
             key=a.key, sha256=a.sha256, finished_at=a.finished_at, seconds=a.seconds, seen_at=a.seen_at,
         ))
-    loss = eval_loss(state, model)
-    log.info("%s round %d: merged %d deltas (%s), eval loss %.4f", state.run, state.round, len(contributions),
-             ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions), loss)
-    return Merged(model, model_object, update, outer, contributions, excluded, loss)
+    log.info("%s round %d: merged %d deltas (%s)", state.run, state.round, len(contributions),
+             ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions))
+    return Merged(model, model_object, update, outer, contributions, excluded)

@@ -1,5 +1,5 @@
 """Publish: write θ_r, its encoded update and the outer state (content-addressed), then the
-manifest — the commit point.
+manifest — the commit point. The held-out evaluation comes after (tasks.evaluate).
 
 The manifest is written last and only if absent. When another synchronizer (or an earlier try of
 this one) already committed the round, the loser reads the winner's manifest: if it names the
@@ -106,12 +106,12 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
             learners=sorted({c.learner for c in merged.contributions}), waited_s=round(collected.waited_s, 3),
             closed_by=collected.decision.reason or "timeout",
         ),
-        hyper=hyper(state.config), eval_loss=merged.eval_loss,
+        hyper=hyper(state.config),
         timings={**timings, "publish_s": round(time.perf_counter() - t0, 3)},
     )
     published = commit(state.stores, manifest)
     crash_point("publish.after_manifest", r)
     if published.outcome != "committed":
         log.warning("%s round %d: another synchronizer committed first (%s)", run, r, published.outcome)
-    log.info("%s round %d published: eval loss %.4f, manifest %s", run, r, published.manifest.eval_loss, published.sha256[:12])
+    log.info("%s round %d published: manifest %s", run, r, published.sha256[:12])
     return published

@@ -105,6 +105,10 @@ def _m(r: int) -> str:
     return layout.manifest_key(RUN, r)
 
 
+def _e(r: int) -> str:
+    return layout.eval_key(RUN, r)
+
+
 def _skip_round_2(s3) -> bytes:
     """Round 3's manifest re-pointed at round 1, as if round 2 had never been."""
     m = manifest(s3, 3).model_copy(update={"parent_round": 1, "parent_sha256": hashlib.sha256(read(s3, _m(1))).hexdigest()})
@@ -127,6 +131,9 @@ CASES = {
         {(GLOBAL, _m(1)): read(s3, _m(2)), (GLOBAL, _m(2)): read(s3, _m(1))}, [(1, _m(1)), (2, _m(2))],
     ),
     "a manifest that skips a round": lambda s3: ({(GLOBAL, _m(3)): _skip_round_2(s3)}, [(3, _m(3))]),
+    "two rounds' evaluations swapped": lambda s3: (
+        {(GLOBAL, _e(1)): read(s3, _e(2)), (GLOBAL, _e(2)): read(s3, _e(1))}, [(1, _e(1)), (2, _e(2))],
+    ),
 }
 
 

@@ -130,6 +130,9 @@ def test_crash_then_resume_loses_nothing_and_applies_nothing_twice(stack, point)
 
     s3 = boto3.client("s3", endpoint_url=s.s3_url, region_name="us-east-1",
                       aws_access_key_id="testing", aws_secret_access_key="testing")
+    # Every round is evaluated, also one whose synchronizer died between its manifest and its evaluation.
+    published = keys(s3, "islands-global", f"runs/{run}/rounds/")
+    assert all(f"runs/{run}/rounds/{r:06d}/eval.json" in published for r in range(1, ROUNDS + 1)), f"{point}: {sorted(published)}"
     for region in REGIONS:
         learner = f"{region}-0"
         found = keys(s3, f"islands-{region}", f"runs/{run}/")
