@@ -72,7 +72,7 @@ def manifest_key(run: str, round_: int) -> str:
 
 
 def eval_key(run: str, round_: int) -> str:
-    return f"{round_prefix(run, round_)}eval.json"
+    return round_prefix(run, round_) + "eval.json"
 
 
 def model_key(run: str, round_: int, sha256: str) -> str:

@@ -2,9 +2,10 @@
 
 It walks every round's manifest (the hash chain, each round in its place), re-reads and hashes
 every object a manifest names, checks that each round's model is its parent's plus its published
-update (what learners rebuild it from) and that its evaluation, once written, is of that model, balances each learner's token ledger, and with `replay`
-recomputes every merge from its recorded deltas and checks the published bits. Reads go through
-storage/ only — no Prefect, no local state — so anyone with read access to the buckets can audit.
+update (what learners rebuild it from) and that its evaluation, once written, is of that model,
+balances each learner's token ledger, and with `replay` recomputes every merge from its recorded
+deltas and checks the published bits. Reads go through storage/ only — no Prefect, no local
+state — so anyone with read access to the buckets can audit.
 
 Token ledger, per learner:  lost = trained − applied − dropped − pending.
   trained  trainer steps in the learner's newest saved state × batch × block (the learner's own

@@ -27,7 +27,6 @@ from storage.rounds import get_tensors, read_chain
 from storage.store import Stores
 from tasks.compress import split_residual
 from tasks.data import eval_batches, split_held_out
-from tasks.model import PRESETS
 from tasks.quorum import LearnerHistory, QuorumPolicy
 
 HISTORY = 5
@@ -109,10 +108,6 @@ class RoundState:
             min_quorum=q.min_quorum, max_quorum=self.config.max_quorum, grace_max_s=q.grace_max_s, deadline_s=q.round_timeout_s,
             grace_fraction=q.grace_fraction, listing_s=q.poll_s,
         )
-
-    def eval_batches(self) -> list:
-        preset = PRESETS[self.config.model]
-        return held_out_batches(self.config.corpus, self.config.inner.batch_size, preset.block_size, self.config.eval_batches)
 
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""
