@@ -23,10 +23,10 @@ from storage.rounds import checkpoint_metadata, put_encoded, put_tensors, put_up
 from storage.store import Stores, sha256_hex
 from tasks.collect import Collected
 from tasks.crash import crash_point
-from tasks.data import evaluate
+from tasks.evaluate import held_out_loss
 from tasks.merge_step import Merged
 from tasks.model import build_model, params_of
-from tasks.round_state import RoundState, held_out_batches
+from tasks.round_state import RoundState
 
 
 @dataclass
@@ -66,7 +66,7 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     model = build_model(config.model, config.seed)
     params = params_of(model)
     ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
-    loss = evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, model.config.block_size, config.eval_batches))
+    loss = held_out_loss(config, params)
     learners = [name for name, _, _ in config.learners()]
     manifest = Manifest(
         run=run, round=0, parent_round=None, parent_sha256=None, created_at=_now(), model=ref, outer=None,
