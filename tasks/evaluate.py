@@ -1,7 +1,7 @@
 """Evaluate: a published round's held-out loss, written beside its manifest after the commit.
 
 The learners poll for manifests; evaluating θ_r before the commit put the evaluation on the way
-from a round's close to the learners (0.5 s of the 1.2 s at H=10 on the tiny model). The loss is
+from a round's close to the learners, which the quality from a warm start paid for. The loss is
 a pure function of the committed checkpoint, so whoever finds it missing (a retry, a resume after
 a crash between the manifest and the evaluation) computes it again and gets the round's loss.
 """
