@@ -91,7 +91,7 @@ def wait_learners(ids: list[UUID], timeout_s: float, cancel: bool) -> dict[str, 
             running = [r for r in runs if not r.state or not r.state.is_final()]
             if not running or time.monotonic() >= deadline:
                 break
-            time.sleep(1.0)
+            time.sleep(0.25)
         for r in running:
             client.set_flow_run_state(r.id, Cancelling(), force=True)
         return {r.name: (r.state.name if r.state else "?") for r in runs}
