@@ -51,8 +51,9 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     where each run got to 2.35: rounds 18–29 in every run so far, so the kill falls on each run's
     way to the target. Each run ends at the round that reaches the target (`target_loss`): the
     rounds after it measured nothing. 36 rounds is only the cap. --quick reaches its target in
-    round 1, before the faults, so its runs go on to round 6 to rehearse the kill and restart."""
-    h, rounds, target, (kill, restart) = (5, 6, 4.5, (2, 4)) if quick else (10, 36, 2.35, (10, 20))
+    round 1 and goes on to round 4 to rehearse the kill (after round 1) and the restart (after
+    round 2): (c) waits out its round timeout once, in round 2."""
+    h, rounds, target, (kill, restart) = (5, 4, 4.5, (1, 2)) if quick else (10, 36, 2.35, (10, 20))
     floor = step_floor_s()
     capped = tuple((r, floor) for r in pipeline.REGIONS)
     faulty = tuple((r, 3 * floor if r == SLOW else floor) for r in pipeline.REGIONS)

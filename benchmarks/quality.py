@@ -90,7 +90,8 @@ def run_robust(quick: bool) -> Result:
     """Warm start (data-parallel for the first half, then each method for the second half), at
     H=hs[0], with seed 0 and again with seed 1 (each learner's data order), to show the noise.
     The second seed runs from the warm start, not from scratch: half the compute for the same
-    question (how much of a gap is noise), which keeps the suite's time down."""
+    question (how much of a gap is noise), which keeps the suite's time down. --quick runs seed 0
+    alone."""
     torch.set_num_threads(2)
     b, h = budget(quick), hs(quick)[0]
     half = b.second_half
@@ -104,6 +105,8 @@ def run_robust(quick: bool) -> Result:
     res.raw.update(data_parallel=a, warm_loss=heldout.loss(warm), warm_sync=sync, warm_decoupled={"loss": dec, **facts})
     res.rows.append(at_most(f"quality, warm start: sync DiLoCo H={h} / data-parallel", sync / a, DP_BAR, SYNC_LIMIT))
     res.rows.append(at_most(f"quality, warm start: decoupled / sync DiLoCo, H={h}", dec / sync, DECOUPLED_BAR, WARM_LIMIT))
+    if quick:  # the second seed takes the same paths again
+        return res
     sync1 = heldout.loss(sync_diloco_from_warm(b, 1, h, SYNC_RULE))
     dec1, facts1 = at_budget(decoupled_spec(quick, h, seed=1, init="dp-half", steps=half.steps), half.tokens)
     res.raw.update(seed1_warm_sync=sync1, seed1_warm_decoupled={"loss": dec1, **facts1})
