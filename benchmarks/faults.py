@@ -3,9 +3,11 @@
 (a) the decoupled pipeline without faults; (b) the same with one learner at a third of the speed
 and another killed for the middle third of its way to the target (`islands run --chaos`); (c) synchronous
 DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min = all), learners
-waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever
-(20 s: longer than the slow learner's phase, so only the dead one is given up on, and longer
-than the learners take to start, since round 1's clock runs while they do).
+waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever:
+twice the slow learner's phase at its floor, and at least 20 s (`round_timeout_s`), so only the
+dead one is given up on, and longer than the learners take to start, since round 1's clock runs
+while they do. Both take longer on a slower machine: a fixed 20 s, below a slow phase of 19.6 s
+on a day when a full-speed step took 0.196 s instead of 0.11, failed round 1 with nothing in.
 
 Each learner's rate is capped at 0.3 of its full speed: an inner step (1 thread) takes at least
 3.3× the time one step takes at full speed, measured with the learner alone on the machine before
@@ -28,6 +30,7 @@ from benchmarks import pipeline
 from benchmarks.report import Result, at_least, at_most, standalone, within
 
 CAP = 0.3
+SLOWDOWN = 3  # the slow learner's floor, in capped floors
 SLOW, KILLED = "eu-west", "ap-south"
 
 
@@ -56,14 +59,19 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     h, rounds, target, (kill, restart) = (5, 4, 4.5, (1, 2)) if quick else (10, 36, 2.35, (10, 20))
     floor = step_floor_s()
     capped = tuple((r, floor) for r in pipeline.REGIONS)
-    faulty = tuple((r, 3 * floor if r == SLOW else floor) for r in pipeline.REGIONS)
+    faulty = tuple((r, SLOWDOWN * floor if r == SLOW else floor) for r in pipeline.REGIONS)
     chaos = (f"kill:{KILLED}@round{kill}", f"restart:{KILLED}@round{restart}")
     a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=(), min_step_s=capped, warmup=2 if quick else 50,
                       target_loss=None if quick else target)
     b = replace(a, name="fb", min_step_s=faulty, chaos=chaos)
     c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, rebase=False,
-                round_timeout_s=20.0)
+                round_timeout_s=round_timeout_s(h))
     return a, b, c, target
+
+
+def round_timeout_s(h: int) -> float:
+    """(c)'s round timeout: twice the slow learner's phase at its floor, at least 20 s."""
+    return max(20.0, 2 * h * SLOWDOWN * step_floor_s())
 
 
 def goodput(run: pipeline.Run) -> float:
