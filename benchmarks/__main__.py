@@ -60,12 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results, failed, t0 = [], False, time.monotonic()
     for name in args.only or SUITE:
+        started = time.monotonic()
         try:
             res = timed(BENCHMARKS[name], args.quick)
         except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
             failed = True
             traceback.print_exc()
             res = Result(name, rows=[Row(f"{name}: did not complete", None, "runs", False, f"{type(exc).__name__}: {exc}")])
+            res.seconds = time.monotonic() - started  # what it spent before failing counts in the suite's time
         results.append(res)
         (args.out / f"{name}{'-quick' if args.quick else ''}.md").write_text(report([res], args.quick))
         print(f"[benchmarks] {name} finished in {res.seconds:.0f} s; report in {args.out}", file=sys.stderr, flush=True)

@@ -35,3 +35,20 @@ def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
         assert re.search(r"\d", bar) and holds in ("yes", "no")
     assert "raw:" in proc.stdout and "settings:" in proc.stdout
     assert (tmp_path / "dataplane-quick.md").read_text().startswith("| benchmark |")  # written as it finished
+
+
+def test_a_part_that_fails_keeps_the_time_it_spent(tmp_path, monkeypatch):
+    import time
+
+    import benchmarks.__main__ as suite
+
+    def broken(quick: bool) -> Result:
+        time.sleep(0.6)
+        raise RuntimeError("round 1 had nothing in")
+
+    monkeypatch.setitem(suite.BENCHMARKS, "dataplane", broken)
+    assert suite.main(["--quick", "--only", "dataplane", "--out", str(tmp_path)]) == 1
+    report = (tmp_path / "dataplane-quick.md").read_text()
+    assert "| dataplane: did not complete | n/a | runs | no |" in report
+    assert "RuntimeError: round 1 had nothing in" in report
+    assert "## dataplane (1 s)" in report  # not 0 s: the suite's time counts it
