@@ -3,8 +3,14 @@
 Same learners, data, inner loop, quorum rule (tasks.quorum.decide) and merge plan
 (tasks.merge.plan_merge) as the pipeline, but the clock is simulated: a full-speed learner's inner
 step takes `step_s`, a slow one's 1/speed of that, a round is visible to learners `publish_s` after
-it closes. Nothing waits on servers, so learner behaviours and outer steps can be compared side by side on the same
-schedule in minutes (benchmarks.schedule); the pipeline itself (benchmarks.quality) is what the bars are measured on.
+it closes. Nothing waits on servers, so learner behaviours, outer steps and codecs can be compared side by side
+on the same schedule in minutes (benchmarks.schedule, benchmarks.codec); the pipeline itself (benchmarks.quality,
+benchmarks.wire) is what the bars are measured on.
+
+Deltas go through the delta codec with the learner's error feedback (tasks.compress), as a learner
+sends them. With `update_codec`, a round's θ is θ_{r−1} + the decoded update with the
+synchronizer's error feedback (tasks.merge.encode_update), as the pipeline publishes it; without,
+it is the merge's θ exactly.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from benchmarks.heldout import BATCH, PRESET, train_bytes
 from benchmarks.inprocess import Budget
 from tasks.data import BatchSampler, shard
 from tasks.inner import InnerConfig, InnerTrainer, carried
-from tasks.merge import Candidate, MergeRule, merge_round, plan_merge
+from tasks.compress import compress_with_feedback, from_wire
+from tasks.merge import Candidate, MergeRule, encode_update, merge_round, plan_merge
 from tasks.model import build_model, params_of
 from tasks.pace import phase_steps
 from tasks.quorum import LearnerHistory, QuorumPolicy, decide
@@ -34,9 +41,16 @@ class Schedule:
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
     catch_up: bool = False  # a phase starts at the learners' average progress in the lr schedule
     paced: bool = False  # a phase's steps scale with the learner's rate (tasks.pace)
+    codec: str = "fp32"  # the deltas' codec
+    update_codec: str | None = None  # the rounds' update codec; None: θ_r is the merge's result as it is
 
     def steps_for(self, speed: float) -> int:
         return phase_steps(self.h, speed, list(self.speeds)) if self.paced else self.h
+
+
+def pipeline_defaults(h: int) -> Schedule:
+    """The pipeline's learner behaviours: carry, lr catch-up and paced phases."""
+    return Schedule(h, carry=True, catch_up=True, paced=True)
 
 
 @dataclass
@@ -60,6 +74,7 @@ class _Learner:
     phase: int = 0
     phase_started: float = 0.0
     unmerged: dict = field(default_factory=dict)  # phase → delta sent and not yet in a visible round
+    residual: dict = field(default_factory=dict)  # the delta codec's error feedback
 
 
 def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
@@ -79,7 +94,7 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
                           deadline_s=600.0, grace_fraction=schedule.grace_fraction)
     theta0 = init if init is not None else params_of(build_model(PRESET, seed))
     rounds = [(0, theta0, 0.0)]  # (round, θ, visible at)
-    momentum = None
+    momentum, update_residual = None, {}
     history = {n: LearnerHistory([], None) for n in names}
     arrived: dict[str, float] = {}
     pending: list[_Arrival] = []  # deltas sent and not merged yet
@@ -123,7 +138,7 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
             now = min(later)
 
     def publish(now: float) -> None:
-        nonlocal momentum, collecting_since
+        nonlocal momentum, update_residual, collecting_since
         take = [a for a in pending if a.at <= now]
         r = rounds[-1][0] + 1
         weighted, _ = plan_merge(r - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in take], rule)
@@ -131,7 +146,11 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
         deltas = [by[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
         theta = rounds[-1][1]
         if weighted:
-            theta, momentum = merge_round(theta, momentum, deltas, [w.weight for w in weighted], rule)
+            merged_theta, momentum = merge_round(theta, momentum, deltas, [w.weight for w in weighted], rule)
+            if schedule.update_codec is None:
+                theta = merged_theta
+            else:
+                _, theta, update_residual = encode_update(theta, merged_theta, update_residual, schedule.update_codec)
         merged.append([w.staleness for w in weighted])
         pending[:] = [a for a in pending if a.at > now]
         settled.append(settled[-1] | {(a.learner, a.phase) for a in take})
@@ -160,8 +179,9 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
         t_end = t + schedule.step_s / L.speed
         if L.done == schedule.steps_for(L.speed):
             delta = L.trainer.delta(L.base)
+            wire, L.residual = compress_with_feedback(delta, L.residual, schedule.codec)
             pending.append(_Arrival(t_end, name, L.phase, L.base_round, L.done * BATCH * block,
-                                    t_end - L.phase_started, delta))
+                                    t_end - L.phase_started, from_wire(wire, schedule.codec)))
             L.unmerged[L.phase] = delta
             L.done, L.phase = 0, L.phase + 1
         heapq.heappush(clock, (t_end, i))

@@ -21,7 +21,7 @@ import torch
 from benchmarks import heldout
 from benchmarks.inprocess import Budget, data_parallel, sync_diloco_from_seed, sync_diloco_from_warm
 from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
-from benchmarks.replay import Schedule, replay
+from benchmarks.replay import Schedule, pipeline_defaults, replay
 from benchmarks.report import Result, at_most, standalone
 from flows.config import RunConfig
 from tasks.merge import MergeRule
@@ -40,7 +40,7 @@ def run(quick: bool) -> Result:
     sync = heldout.loss(sync_diloco_from_seed(b, 0, h, SYNC_RULE))
     res.raw["sync"] = sync
     variants = {"restart": Schedule(h), "carry": Schedule(h, carry=True), "carry+catch_up": Schedule(h, carry=True, catch_up=True),
-                "carry+catch_up+paced": Schedule(h, carry=True, catch_up=True, paced=True)}
+                "carry+catch_up+paced": pipeline_defaults(h)}
     for label, schedule in variants.items():
         theta, facts = replay(b, schedule, rule)
         res.raw[label] = {"loss": heldout.loss(theta), **facts}

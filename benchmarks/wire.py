@@ -75,12 +75,16 @@ def limit(upload_only: float, facts: dict) -> str:
             f"larger, or on a region's first read; counting uploads alone the ratio would be {upload_only:.0f}×")
 
 
-def run(quick: bool) -> Result:
-    # Bytes per token need no full budget: every run here trains a third of it, and the int4/fp32
-    # loss ratio is taken at that third (equal tokens for both). --quick trains the quality part's
-    # whole toy budget instead, so its fp32 run is the quality part's run: one pipeline run fewer.
+def wire_budget(quick: bool) -> Budget:
+    """Bytes per token need no full budget: every run here trains a third of it, and the int4/fp32
+    loss ratio is taken at that third (equal tokens for both). --quick trains the quality part's
+    whole toy budget instead, so its fp32 run is the quality part's run: one pipeline run fewer."""
     full = budget(quick)
-    b = full if quick else Budget(learners=full.learners, steps=full.steps // 3, warmup=full.warmup)
+    return full if quick else Budget(learners=full.learners, steps=full.steps // 3, warmup=full.warmup)
+
+
+def run(quick: bool) -> Result:
+    b = wire_budget(quick)
     h10, h50 = hs(quick)[0], hs(quick)[-1]
     res = Result("wire", settings={"budget": b.__dict__, "model": heldout.PRESET, "ring": "2(K-1)/K x fp32 gradient, "
                                    "sent and as many received, per worker per step"})

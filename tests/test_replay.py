@@ -4,9 +4,11 @@ whose rounds are visible at once give synchronous DiLoCo's model bit for bit, wi
 
 import torch
 
+from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, sync_diloco
 from benchmarks.replay import Schedule, replay
 from tasks.merge import MergeRule
+from tasks.model import build_model, params_of
 
 RULE = MergeRule(outer_lr=0.7, outer_momentum=0.9)
 BUDGET = Budget(steps=4, warmup=1)
@@ -39,3 +41,24 @@ def test_paced_phases_bring_the_slow_learner_into_every_round():
     _, plain = replay(budget, Schedule(3, publish_s=0.0, carry=True), RULE)
     _, paced = replay(budget, Schedule(3, publish_s=0.0, carry=True, paced=True), RULE)
     assert plain["deltas_per_round"] < 3 and paced["deltas_per_round"] > 3.5  # the last round closes on what is left
+
+
+def test_deltas_and_updates_go_through_their_codecs_with_error_feedback():
+    """fp32 deltas are the exact replay; int4 deltas move it off by what the codec drops, and int2
+    updates on top move it further (two rounds: error feedback has not caught up yet)."""
+    torch.set_num_threads(1)
+    sync = sync_diloco(BUDGET, 0, 2, RULE)
+    start = params_of(build_model(PRESET, 0))
+
+    def off(**codecs) -> float:
+        theta, _ = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=0.0, **codecs), RULE)
+        return distance(theta, sync) / distance(sync, start)
+
+    assert off(codec="fp32") == 0.0
+    int4 = off(codec="int4")
+    assert 0.0 < int4 < 0.05
+    assert off(codec="int4", update_codec="int2") > 2 * int4
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return sum(float((a[n] - b[n]).double().pow(2).sum()) for n in a) ** 0.5
