@@ -6,6 +6,7 @@ import torch
 from storage.codec import CodecError, decode, encode, encode_wire
 from tasks.compress import (
     BLOCK,
+    TERNARY_THRESHOLD,
     compress_with_feedback,
     dequantize,
     from_wire,
@@ -32,13 +33,13 @@ def delta(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_round_trip_error_is_within_half_a_level_of_each_blocks_scale(codec):
     src = delta()
     out, meta = decode(encode(src, META, codec))
     assert meta["codec"] == codec and set(out) == set(src)
     assert torch.equal(out["step"], src["step"])
-    bits = {"int8": 8, "int4": 4, "int2": 2}[codec]
+    bits = {"int8": 8, "int4": 4}[codec]
     for name, t in src.items():
         if not t.is_floating_point():
             continue
@@ -49,6 +50,23 @@ def test_round_trip_error_is_within_half_a_level_of_each_blocks_scale(codec):
         err = torch.nn.functional.pad((out[name] - t).reshape(-1), (0, -t.numel() % BLOCK)).view(-1, BLOCK).abs()
         assert (err <= bound[:, None]).all(), name
     assert torch.equal(out["zeros"], src["zeros"])
+
+
+def test_int2_sends_each_blocks_large_values_as_their_mean_and_loses_under_a_fifth():
+    torch.manual_seed(0)
+    t = torch.randn(64 * 1024) * 0.01
+    q, scale = quantize(t, 2)
+    out = dequantize(q, scale, list(t.shape), 2)
+    blocks, got = t.view(-1, BLOCK), out.view(-1, BLOCK)
+    mag = blocks.abs()
+    sent = mag > TERNARY_THRESHOLD * mag.mean(dim=1, keepdim=True)
+    assert torch.equal(got != 0, sent) and torch.equal(got.sign(), blocks.sign() * sent)
+    mean_sent = (mag * sent).sum(dim=1) / sent.sum(dim=1)
+    assert torch.allclose(got.abs().amax(dim=1), mean_sent, rtol=2**-8)  # the scale, rounded to bfloat16
+    # The block's maximum as the scale loses about half of Gaussian data (0.51 measured).
+    assert float((out - t).pow(2).sum() / t.pow(2).sum()) < 0.2
+    zeros = dequantize(*quantize(torch.zeros(100), 2), [100], 2)
+    assert torch.equal(zeros, torch.zeros(100))
 
 
 @pytest.mark.parametrize("codec,ratio", [("int8", 3.5), ("int4", 6.5), ("int2", 12.5)])
