@@ -6,10 +6,10 @@ precision only in its own block. A bfloat16 scale costs 0.25 bit per value where
 0.5 (int4: 4.25 bits a value, not 4.5); its rounding (at most 2^-8 of the scale) is one more
 error that error feedback carries. Objects written with float32 scales still decode. int4
 packs two values per byte; int2 (each value −1, 0 or +1 times its block's scale: 2.25 bits a
-value) packs four, and is meant for what has error feedback on its side. int2's scale is chosen
-for the least error rather than as the block's maximum (`ternary`); decoding is the same. Error feedback keeps
-what the quantizer dropped (the residual) and adds it to the next delta, so over many phases the
-sum of what was sent tracks the sum of the true deltas instead of drifting.
+value) packs four, and is meant for what has error feedback on its side; its scale is chosen for
+the least error rather than as the block's maximum (`ternary`), and decodes the same way. Error
+feedback keeps what the quantizer dropped (the residual) and adds it to the next delta, so over
+many phases the sum of what was sent tracks the sum of the true deltas instead of drifting.
 
 The wire form is a flat dict of tensors that safetensors can store: `<name>.q` (the integers),
 `<name>.scale` and `<name>.shape`; storage.codec writes and reads it. Pure torch: no storage,
@@ -84,7 +84,9 @@ def ternary(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codec`) int2 updates then cost 0.1% of held-out loss instead of 0.4%."""
     mag = blocks.abs()
     sent = mag > TERNARY_THRESHOLD * mag.mean(dim=1, keepdim=True)
-    scale = ((mag * sent).sum(dim=1) / sent.sum(dim=1).clamp(min=1)).to(SCALE_DTYPE)
+    scale = (mag * sent).sum(dim=1) / sent.sum(dim=1).clamp(min=1)
+    peak = mag.amax(dim=1)  # NaN or Inf where a block holds one: such a block must not decode, as with int4
+    scale = torch.where(torch.isfinite(peak), scale, peak).to(SCALE_DTYPE)
     return pack((torch.sign(blocks) * sent).to(torch.int8).reshape(-1), 2), scale
 
 

@@ -67,6 +67,10 @@ def test_int2_sends_each_blocks_large_values_as_their_mean_and_loses_under_a_fif
     assert float((out - t).pow(2).sum() / t.pow(2).sum()) < 0.2
     zeros = dequantize(*quantize(torch.zeros(100), 2), [100], 2)
     assert torch.equal(zeros, torch.zeros(100))
+    broken = torch.zeros(100)
+    broken[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):  # never sent as zeros: the receiver refuses it
+        dequantize(*quantize(broken, 2), [100], 2)
 
 
 @pytest.mark.parametrize("codec,ratio", [("int8", 3.5), ("int4", 6.5), ("int2", 12.5)])
