@@ -1,8 +1,9 @@
 """`python -m benchmarks [--quick] [--only NAME ...]`: the measured-performance suite, one table.
 
 The suite is the measurements (SUITE); the ablations run only when named: `schedule` (why the
-pipeline's learner behaviours close the gap to synchronous DiLoCo, `--only schedule`) and `codec`
-(what the int4 codecs alone cost in held-out loss, on one replayed schedule, `--only codec`).
+pipeline's learner behaviours close the gap to synchronous DiLoCo, `--only schedule`), `codec`
+(what the int4 codecs alone cost in held-out loss, on one replayed schedule, `--only codec`) and
+`scaling` (whether the loss follows the learners' compute, the faults bar's premise, `--only scaling`).
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
@@ -18,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import codec, dataplane, faults, quality, schedule, utilization, wire
+from benchmarks import codec, dataplane, faults, quality, scaling, schedule, utilization, wire
 from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "quality_robust": quality.run_robust,
     "schedule": schedule.run,
     "codec": codec.run,
+    "scaling": scaling.run,
     "wire": wire.run,
     "faults": faults.run,
     "utilization": utilization.run,

@@ -7,6 +7,7 @@ shard i of the training split with sampler seed seed·1000 + i.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -47,8 +48,10 @@ def data_parallel(budget: Budget, seed: int) -> tuple[dict, dict]:
     return params_of(trainer.model), snapshot
 
 
-def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeRule, init: dict | None = None) -> dict:
-    """K learners, H inner steps each, all deltas merged every round (equal tokens, equal weights)."""
+def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeRule, init: dict | None = None,
+                on_round: Callable[[int, dict], None] | None = None) -> dict:
+    """K learners, H inner steps each, all deltas merged every round (equal tokens, equal weights);
+    `on_round(r, θ_r)` sees each round's model."""
     block = build_model(PRESET, seed).config.block_size
     cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
     trainers = []
@@ -57,9 +60,11 @@ def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeRule, init: dict |
         trainers.append(InnerTrainer(build_model(PRESET, seed), BatchSampler(data, BATCH, block, seed=seed * 1000 + i), cfg))
     theta = init if init is not None else params_of(build_model(PRESET, seed))
     momentum = None
-    for _ in range(budget.steps // h):
+    for r in range(1, budget.steps // h + 1):
         deltas = [t.run_phase(theta, h).delta for t in trainers]
         theta, momentum = merge_round(theta, momentum, deltas, [1.0] * len(deltas), rule)
+        if on_round is not None:
+            on_round(r, theta)
     return theta
 
 

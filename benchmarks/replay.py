@@ -16,6 +16,7 @@ it is the merge's θ exactly.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
@@ -41,6 +42,7 @@ class Schedule:
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
     catch_up: bool = False  # a phase starts at the learners' average progress in the lr schedule
     paced: bool = False  # a phase's steps scale with the learner's rate (tasks.pace)
+    away: int = 0  # learners of the run that never send a delta (dead throughout), beyond `speeds`
     codec: str = "fp32"  # the deltas' codec
     update_codec: str | None = None  # the rounds' update codec; None: θ_r is the merge's result as it is
 
@@ -78,10 +80,11 @@ class _Learner:
 
 
 def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
-           init: dict | None = None) -> tuple[dict, dict]:
+           init: dict | None = None, on_round: Callable[[int, dict], None] | None = None) -> tuple[dict, dict]:
     """Train until the learners have trained the budget's tokens, merging as the synchronizer
     does (weights from tasks.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
-    Round 0 is `init` when given (a warm start), else the seeded model."""
+    Round 0 is `init` when given (a warm start), else the seeded model; `on_round(r, θ_r)` sees
+    each round's model as it is published."""
     block = build_model(PRESET, seed).config.block_size
     cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
     learners = []
@@ -89,8 +92,8 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
         data = shard(train_bytes(), i, len(schedule.speeds), block_size=block)
         trainer = InnerTrainer(build_model(PRESET, seed), BatchSampler(data, BATCH, block, seed=seed * 1000 + i), cfg)
         learners.append(_Learner(trainer, speed))
-    names = [f"l{i}" for i in range(len(learners))]
-    policy = QuorumPolicy(min_quorum=schedule.min_quorum, max_quorum=len(learners), grace_max_s=20.0,
+    names = [f"l{i}" for i in range(len(learners) + schedule.away)]  # the away ones last: never trained
+    policy = QuorumPolicy(min_quorum=schedule.min_quorum, max_quorum=len(names), grace_max_s=20.0,
                           deadline_s=600.0, grace_fraction=schedule.grace_fraction)
     theta0 = init if init is not None else params_of(build_model(PRESET, seed))
     rounds = [(0, theta0, 0.0)]  # (round, θ, visible at)
@@ -157,6 +160,8 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
         applied.append(applied[-1] + sum(w.candidate.tokens for w in weighted))
         arrived.clear()
         rounds.append((r, theta, now + schedule.publish_s))
+        if on_round is not None:
+            on_round(r, theta)
         collecting_since = now + schedule.publish_s
 
     while trained_steps < budget_steps:
@@ -166,7 +171,7 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
         if L.done == 0:
             L.base_round, L.base = reference(L, name, t)
             if schedule.catch_up:
-                L.trainer.catch_up(applied[L.base_round], len(learners))
+                L.trainer.catch_up(applied[L.base_round], len(names))  # the run's learners, away or not
             L.trainer.begin(L.base)
             L.phase_started = t
         elif schedule.rebase and max(x[0] for x in rounds if x[2] <= t) > L.base_round:

@@ -2,6 +2,8 @@
 whose rounds are visible at once give synchronous DiLoCo's model bit for bit, with or without carry
 (there is never an unmerged delta to carry, no learner is behind or ahead, every phase is H). Latency is what separates the learner behaviours."""
 
+from dataclasses import replace
+
 import torch
 
 from benchmarks.heldout import PRESET
@@ -16,11 +18,16 @@ BUDGET = Budget(steps=4, warmup=1)
 
 def test_equal_learners_and_no_latency_replay_synchronous_diloco_exactly():
     torch.set_num_threads(1)
-    sync = sync_diloco(BUDGET, 0, 2, RULE)
+    sync_rounds = []
+    sync = sync_diloco(BUDGET, 0, 2, RULE, on_round=lambda r, theta: sync_rounds.append((r, theta)))
     for behaviour in ({}, {"carry": True}, {"carry": True, "catch_up": True, "paced": True}):
-        theta, facts = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=0.0, **behaviour), RULE)
+        rounds = []
+        theta, facts = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=0.0, **behaviour), RULE,
+                              on_round=lambda r, theta: rounds.append((r, theta)))
         assert facts["rounds"] == 2 and facts["deltas_per_round"] == 4 and facts["mean_staleness"] == 0
         assert all(torch.equal(theta[n], sync[n]) for n in sync)
+        assert [r for r, _ in rounds] == [r for r, _ in sync_rounds] == [1, 2]  # every round, seen as published
+        assert all(torch.equal(a[n], b[n]) for (_, a), (_, b) in zip(rounds, sync_rounds) for n in sync)
     late, _ = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=1.0), RULE)
     assert not all(torch.equal(late[n], sync[n]) for n in sync)
 
@@ -41,6 +48,21 @@ def test_paced_phases_bring_the_slow_learner_into_every_round():
     _, plain = replay(budget, Schedule(3, publish_s=0.0, carry=True), RULE)
     _, paced = replay(budget, Schedule(3, publish_s=0.0, carry=True, paced=True), RULE)
     assert plain["deltas_per_round"] < 3 and paced["deltas_per_round"] > 3.5  # the last round closes on what is left
+
+
+def test_a_learner_away_only_moves_the_lr_catch_up():
+    """Three learners of a run of four, the fourth never sending: rounds close on the three as
+    they would in a run of three, and only the catch-up, which counts the run's four, differs."""
+    torch.set_num_threads(1)
+    budget = Budget(learners=3, steps=4, warmup=1)
+    three = Schedule(2, speeds=(1, 1, 1), publish_s=0.0, carry=True)
+    alone, _ = replay(budget, three, RULE)
+    away, facts = replay(budget, replace(three, away=1), RULE)
+    assert facts["rounds"] == 2 and facts["deltas_per_round"] == 3
+    assert all(torch.equal(away[n], alone[n]) for n in alone)
+    alone, _ = replay(budget, replace(three, catch_up=True), RULE)
+    away, _ = replay(budget, replace(three, catch_up=True, away=1), RULE)
+    assert not all(torch.equal(away[n], alone[n]) for n in alone)
 
 
 def test_deltas_and_updates_go_through_their_codecs_with_error_feedback():
