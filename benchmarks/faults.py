@@ -126,9 +126,9 @@ def run(quick: bool) -> Result:
     else:
         why = (f"rounds came about as often in (b) as in (a) ({per_round['b']:.1f} s and {per_round['a']:.1f} s "
                f"each, reaching the target at rounds {reached['b']} and {reached['a']}): a round closes once Q_min "
-               "deltas are in, and the outer step averages what arrived, so with fewer learners a round's step is "
-               "noisier, not smaller. Without faults or timing, a quarter less compute costs more rounds than "
-               "that: `python -m benchmarks --only scaling`")
+               "deltas are in, and the learners' lr catch-up counts the run's learners, so with fewer of them "
+               "sending, the schedule falls behind their steps and at this budget moves the loss more per step; "
+               "`python -m benchmarks --only scaling` measures it with a learner away, with and without catch-up")
     res.rows.append(within("faults: (b)/(a) wall-clock, against the compute ratio", ratio, compute_ratio(quick), 0.15,
                            why))
     return res
