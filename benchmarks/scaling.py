@@ -45,9 +45,10 @@ def crossing(losses: list[float], target: float) -> float | None:
     return None
 
 
-def curve(train: Callable[[Callable[[int, dict], None]], object]) -> list[float]:
-    """Held-out loss of round 0 and of every round that `train` publishes."""
-    losses = [heldout.loss(params_of(build_model(heldout.PRESET, 0)))]
+def curve(train: Callable[[Callable[[int, dict], None]], object], start: float) -> list[float]:
+    """Held-out loss of round 0 (`start`: every run begins from the seeded model) and of every
+    round that `train` publishes."""
+    losses = [start]
     train(lambda r, theta: losses.append(heldout.loss(theta)))
     return losses
 
@@ -77,9 +78,9 @@ def run(quick: bool) -> Result:
     res = Result("scaling", settings={"steps_per_learner": per_learner.steps, "warmup": per_learner.warmup, "H": h,
                                       "sync_rule": SYNC_RULE.__dict__, "decoupled_rule": rule.__dict__,
                                       "schedule": {**defaults.__dict__, "speeds": "1.0 for every learner alive"}})
-    losses = {}
+    losses, start = {}, heldout.loss(params_of(build_model(heldout.PRESET, 0)))
     for name, train in runs.items():
-        losses[name] = curve(train)
+        losses[name] = curve(train, start)
         res.raw[name] = [round(x, 4) for x in losses[name]]
     for label, (full, fewer) in arms.items():
         target = losses[fewer][-1]
