@@ -19,14 +19,21 @@ from tasks.train_phase import HeldRound, LearnerSession
 RUN = "way-down-run"
 
 
-HELD: dict[int, tuple] = {}  # id(session) → (round, HeldRound) it holds, as its round follower keeps it
+# id(session) → (session, round, HeldRound): the round it holds, as its round follower keeps it. The
+# entry keeps the session alive, so a session opened later is never given a finished one's id.
+HELD: dict[int, tuple] = {}
+
+
+def held(session: LearnerSession) -> tuple[int, HeldRound] | None:
+    entry = HELD.get(id(session))
+    return entry[1:] if entry is not None else None
 
 
 def reads(session: LearnerSession, round_: int):
     """(θ, the way it came, bytes read from the global bucket, bytes read from the regional one)."""
     g, r = session.global_store.io.bytes_read, session.regional_store.io.bytes_read
-    published, way = session.base(round_, HELD.get(id(session)))
-    HELD[id(session)] = (round_, published)
+    published, way = session.base(round_, held(session))
+    HELD[id(session)] = (session, round_, published)
     return published.params, way, session.global_store.io.bytes_read - g, session.regional_store.io.bytes_read - r
 
 
@@ -51,8 +58,8 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     theta1, way, from_global, _ = reads(first, 1)
     assert way == "update" and round1.update.bytes <= from_global < round1.model.bytes
     # Each contribution's tokens per second, which paced phases scale H by (tasks.pace).
-    assert HELD[id(first)][1].rates == {c.learner: c.tokens / c.seconds for c in round1.contributions}
-    assert set(HELD[id(first)][1].rates) == {"north-0", "south-0"}
+    assert held(first)[1].rates == {c.learner: c.tokens / c.seconds for c in round1.contributions}
+    assert set(held(first)[1].rates) == {"north-0", "south-0"}
     assert stores.region("north").exists(layout.cache_key(RUN, round1.update.key))
     _, way, from_global, from_region = reads(second, 1)
     assert way == "update" and from_global < round1.update.bytes <= from_region
@@ -71,7 +78,7 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     # A held θ_0 that is not round 0's: the rebuilt model misses the manifest's hash; the checkpoint is read.
     off = {**theta0, "lm_head.weight": theta0["lm_head.weight"].clone()}
     off["lm_head.weight"][0, 0] += 1e-3
-    HELD[id(second)] = (0, HeldRound(off))
+    HELD[id(second)] = (second, 0, HeldRound(off))
     fixed, way, _, _ = reads(second, 1)
     assert way.startswith("checkpoint:") and all(torch.equal(theta1[n], fixed[n]) for n in theta1)
 
@@ -95,7 +102,7 @@ def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_delt
 
     theta2, way, from_global, _ = reads(session, 2)
     assert way == "2 updates" and from_global < manifests[1].model.bytes
-    assert HELD[id(session)][1].consumed == {0, 1}
+    assert held(session)[1].consumed == {0, 1}
     fresh, way, _, _ = reads(LearnerSession.open(config, run, "north-0", stores), 2)
     assert way == "checkpoint" and all(torch.equal(theta2[n], fresh[n]) for n in theta2)
 
@@ -123,14 +130,14 @@ def test_a_phase_starts_from_the_learners_own_weights_and_no_earlier_in_the_sche
 
         outer_round(run_id=run, round=1, store=stores.template)  # merges phases 0 and 1 of north-0
         session.rounds.wait_newer(0, timeout_s=10.0)
-        held = session.rounds.held()
-        assert held[0] == 1 and held[1].consumed == {0, 1}
-        assert session.reference(held) is held[1].params and session.unmerged == {}
+        now = session.rounds.held()
+        assert now[0] == 1 and now[1].consumed == {0, 1}
+        assert session.reference(now) is now[1].params and session.unmerged == {}
 
         # Round 1 applied north-0's 10 steps: the run's 2 learners are 5 steps in on average, so
         # south-0's first phase runs at steps 5…9 of the learning-rate schedule, not 0…4.
         tokens_per_step = session.trainer.sampler.tokens_per_batch
-        assert held[1].tokens_applied == read_manifest(stores.global_, run, 1)[0].tokens_applied == 10 * tokens_per_step
+        assert now[1].tokens_applied == read_manifest(stores.global_, run, 1)[0].tokens_applied == 10 * tokens_per_step
         south = LearnerSession.open(config, run, "south-0", stores)
         south.follow(poll_s=0.05)
         try:
