@@ -61,7 +61,8 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     if stores.global_.exists(layout.manifest_key(run_id, round)):  # rounds are published in order
         log.info("%s round %d is already published; nothing to do but its evaluation, if missing", run_id, round)
         manifest = read_manifest(stores.global_, run_id, round)[0]
-        return summarize(evaluated(manifest, evaluate_round(config, stores.global_, manifest)))
+        loss = evaluate_round(config, stores.global_, manifest)
+        return {**summarize(evaluated(manifest, loss)), "outcome": "already-published"}
     t0 = time.perf_counter()
     state = RoundState.load(config, run_id, stores)
     if state.round != round:

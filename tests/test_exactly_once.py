@@ -1,6 +1,6 @@
 """Two synchronizers race on the same round of the same run: exactly one manifest is written, both
 processes end well (the loser finds the winner's manifest is the one it would have written), and
-the run completes and audits clean.
+the run completes and audits clean; a round asked for again reports it was already published.
 
 The global bucket is versioned for this test, so a second write of the manifest could not hide.
 """
@@ -14,7 +14,9 @@ import sys
 import time
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from prefect.client.schemas.filters import (
+    FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId, TaskRunFilterName,
+)
 
 from fake_learner import delta_bytes, new_run, put
 from flows.outer_round import outer_round
@@ -30,16 +32,23 @@ SYNCHRONIZER = (
 )
 
 
-def wait_running(name: str, count: int, timeout_s: float = 120.0) -> None:
-    """Until `count` flow runs called `name` are running (both synchronizers are collecting)."""
+def wait_collecting(name: str, count: int, timeout_s: float = 120.0) -> None:
+    """Until `count` flow runs called `name` are inside their collect task.
+
+    A flow run counts as running before its body checks for a published manifest, so waiting on
+    the flow runs alone lets a slow synchronizer find the winner's manifest and skip the race.
+    """
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as c:
         while time.monotonic() < deadline:
             runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
-            if sum(1 for r in runs if r.state and r.state.is_running()) >= count:
+            collecting = c.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[r.id for r in runs]),
+                name=TaskRunFilterName(like_="collect"))) if runs else []
+            if sum(1 for t in collecting if t.state and t.state.is_running()) >= count:
                 return
             time.sleep(0.5)
-    raise AssertionError(f"{count} flow runs {name!r} were not running within {timeout_s:.0f} s")
+    raise AssertionError(f"{count} flow runs {name!r} were not collecting within {timeout_s:.0f} s")
 
 
 def test_two_synchronizers_on_one_round_publish_exactly_one_manifest(on_stack):
@@ -52,7 +61,7 @@ def test_two_synchronizers_on_one_round_publish_exactly_one_manifest(on_stack):
         for _ in range(2)
     ]
     try:
-        wait_running(f"{RUN}/round-001", 2)
+        wait_collecting(f"{RUN}/round-001", 2)
         for i, learner in enumerate(["north-0", "south-0"]):
             put(config, stores, learner, 0, delta_bytes(config, stores, learner, 0, 0, seed=i))
         results = [p.communicate(timeout=180) for p in procs]
@@ -73,5 +82,6 @@ def test_two_synchronizers_on_one_round_publish_exactly_one_manifest(on_stack):
     for i, learner in enumerate(["north-0", "south-0"]):
         put(config, stores, learner, 1, delta_bytes(config, stores, learner, 1, 1, seed=10 + i))
     assert outer_round(run_id=RUN, round=2, store=stores.template)["round"] == config.rounds
+    assert outer_round(run_id=RUN, round=1, store=stores.template)["outcome"] == "already-published"
     report = audit_run(stores, RUN, replay=True)
     assert report.ok and report.replayed == 3, report.summary()
