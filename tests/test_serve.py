@@ -5,6 +5,9 @@ starts a run by itself, values the form refuses, and `islands status` of the fin
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.error
 
@@ -123,3 +126,47 @@ def test_status_of_an_unknown_run_says_so(served):
     _, env, _, _ = served
     out = islands(env, "status", "no-such-run")
     assert out.returncode == 2 and "no-such-run: no such run" in out.stderr
+
+
+PROBE = """
+import sys
+
+
+def imported(queue):
+    queue.put(sorted(m for m in ("torch", "prefect", "flows.training_run") if m in sys.modules))
+"""
+
+FORKS = """
+import inspect
+
+import cloudpickle
+import prefect.flow_engine
+
+from flows.config import RunConfig
+from flows.serve import fork_flow_runs
+from flows.training_run import training_run
+from probe import imported
+
+print('multiprocessing.get_context("spawn")' in inspect.getsource(prefect.flow_engine.run_flow_in_subprocess))
+fork_flow_runs(["flows.training_run"])
+context = prefect.flow_engine.multiprocessing.get_context("spawn")
+queue = context.SimpleQueue()
+child = context.Process(target=imported, args=(queue,))
+child.start()
+print(queue.get())
+child.join()
+copy = cloudpickle.loads(cloudpickle.dumps(training_run))
+print(copy is training_run, type(copy.validate_parameters({"config": RunConfig().model_dump(mode="json")})["config"]).__name__)
+"""
+
+
+def test_served_flow_runs_are_forks_of_a_process_that_imported_the_flows(tmp_path):
+    """Prefect starts a served flow's run in multiprocessing's "spawn" context; `islands serve`
+    swaps in a fork server that has imported torch, Prefect and the flows, and pickles the flow
+    as a reference, so its parameters' types still resolve in the fork."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", FORKS], env={**os.environ, "PYTHONPATH": path},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["True", "['flows.training_run', 'prefect', 'torch']", "True RunConfig"]
