@@ -170,3 +170,32 @@ def test_served_flow_runs_are_forks_of_a_process_that_imported_the_flows(tmp_pat
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["True", "['flows.training_run', 'prefect', 'torch']", "True RunConfig"]
+
+
+FIRST_STEP = """
+import importlib
+import os
+import sys
+
+from flows.serve import PRELOAD
+
+for name in PRELOAD:
+    importlib.import_module(name)
+before = set(sys.modules)
+from tasks.data import BatchSampler
+from tasks.inner import InnerConfig, InnerTrainer
+from tasks.model import build_model
+
+model = build_model("tiny", 0)
+InnerTrainer(model, BatchSampler(os.urandom(1 << 16), 2, model.config.block_size, seed=0), InnerConfig()).train_step()
+print(len(set(sys.modules) - before), sorted(set(sys.modules) - before)[:10])
+"""
+
+
+def test_the_fork_servers_preload_holds_what_a_learner_imports_before_its_first_step():
+    """A module a learner first imports after the fork is imported again by every learner:
+    torch.optim's first optimizer alone pulls in torch._dynamo and sympy, 800 modules."""
+    out = subprocess.run([sys.executable, "-c", FIRST_STEP], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    count, _ = out.stdout.split(" ", 1)
+    assert int(count) <= 5, out.stdout
