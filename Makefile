@@ -24,10 +24,8 @@ up: $(STAMP)
 
 # Two workers, a file each at a time: one pytest process kept 0.95 of the two cores busy (its
 # tests wait on servers, learners and deadlines); a file's module fixtures stay in one worker.
-# Files go out in collection order (tests/conftest.py puts the long fault runs first), not
-# xdist's default of most tests first, which left the one-test chaos run alone at the end.
 test: $(STAMP)
-	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks

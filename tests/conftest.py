@@ -13,13 +13,6 @@ _S3_ENV = {
 }
 
 
-def pytest_collection_modifyitems(items):
-    """Files with long fault runs (marked slow) first: `make test`'s two workers take whole files in
-    this order, and a long file reached last would run alone while the other worker sits idle."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
