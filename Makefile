@@ -22,10 +22,8 @@ run: $(STAMP)
 up: $(STAMP)
 	$(BIN)/islands up
 
-# Two workers, a file each at a time: one pytest process kept 0.95 of the two cores busy (its
-# tests wait on servers, learners and deadlines); a file's module fixtures stay in one worker.
 test: $(STAMP)
-	$(BIN)/pytest -q -n 2 --dist loadfile
+	$(BIN)/pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks

@@ -62,15 +62,12 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ui_run(served):
-    """A run created from training-run/local with what its form submits: the defaults, edited.
-    Its learner takes at least 2 s a step (32 s in all), so `islands status`, polled while the
-    machine runs other tests, cannot miss the run while it is running."""
+    """A run created from training-run/local with what its form submits: the defaults, edited."""
     _, _, api = served
     dep = api.deployment("training-run/local")
     config = {
         **dep["parameters"]["config"], "run_id": RUN, "regions": ["fresh"], "speed": {}, "rounds": 2,
-        "inner_steps": 8, "min_step_s": {"fresh": 2.0}, "eval_batches": 2,
-        "quorum": {**dep["parameters"]["config"]["quorum"], "min_quorum": 1},
+        "inner_steps": 8, "eval_batches": 2, "quorum": {**dep["parameters"]["config"]["quorum"], "min_quorum": 1},
     }
     return api.call("POST", f"/deployments/{dep['id']}/create_flow_run", {"parameters": {"config": config}})
 
