@@ -14,7 +14,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from flows.config import ConfigError, RunConfig, load_config, new_run_id
+from flows.config import ConfigError, RunConfig, load_config, new_run_id, store_template
 
 EXIT_CONFIG = 2
 
@@ -82,7 +82,9 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="rounds, contributors, learners alive/late/dead, latest eval loss")
     st.add_argument("run_id")
     st.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="one JSON object (with --watch: one per line)")
+    st.add_argument("--watch", type=float, metavar="SECONDS",
+                    help="show it again every SECONDS until the run is finished; waits for a run not created yet")
 
     aud = sub.add_parser("audit", help="verify a run from storage: hash chain, objects, token ledger")
     aud.add_argument("run_id")
@@ -155,7 +157,6 @@ def wait_for_learner_deployment(name: str, timeout_s: float = 90.0) -> None:
 
 def preflight(config: RunConfig) -> None:
     """Every bucket must answer before anything is written."""
-    from flows.training_run import store_template
     from storage.store import Stores
 
     for store in Stores(store_template(config), config.regions).all():
@@ -293,14 +294,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from flows.status import render, run_status
+    from flows.status import NoSuchRun, render, run_status, watch
     from storage.store import StoreError
 
     try:
-        report = run_status(args.run_id, args.store)
+        if args.watch is None:
+            reports = [run_status(args.run_id, args.store)]
+        elif not args.watch > 0:
+            return fail(f"--watch {args.watch:g}: give the seconds between two looks, more than 0")
+        else:
+            reports = watch(args.run_id, args.store, args.watch)
+        waiting = None
+        for report in reports:
+            if isinstance(report, NoSuchRun):
+                if str(report) != waiting:  # once, not every look
+                    waiting = str(report)
+                    print(f"islands: {report}; waiting", file=sys.stderr, flush=True)
+            else:
+                print(json.dumps(report) if args.json else render(report) + ("\n" if args.watch else ""), flush=True)
     except StoreError as exc:
         return fail(str(exc))
-    print(json.dumps(report) if args.json else render(report))
     return 0
 
 

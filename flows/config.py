@@ -17,6 +17,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEMO_SPEED = {"eu-west": 0.33}
+# Where a run without `store` keeps its buckets: the embedded S3 endpoint (AWS_ENDPOINT_URL).
+EMBEDDED_STORE = "s3://islands-{bucket}"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{1,40}[a-z0-9]$")
 
 
@@ -212,6 +214,10 @@ class RunConfig(BaseModel):
         if round_ >= self.rounds:
             return f"all {self.rounds} rounds published"
         return None
+
+
+def store_template(config: RunConfig) -> str:
+    return config.store or EMBEDDED_STORE
 
 
 def new_run_id() -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from datetime import datetime
 
-from flows.config import RunConfig
+from flows.config import EMBEDDED_STORE, RunConfig
 from flows.progress import loss_text
-from flows.training_run import EMBEDDED_STORE
 from storage import layout
 from storage.manifest import Manifest
 from storage.rounds import object_metadata, read_chain, read_config, stop_requested, with_eval_losses
@@ -131,18 +131,25 @@ def learner_rows(config: RunConfig, stores: Stores, chain: list[Manifest], finis
     return rows
 
 
+class NoSuchRun(StoreError):
+    """The run has no config or no round 0 in the store (yet)."""
+
+
 def run_status(run_id: str, store: str | None = None, now: float | None = None) -> dict:
     template = locate(store)
+    # Prefect first: a watch pays for its import before the run it waits for starts.
+    states = learner_flow_states(run_id)
     try:
         config = RunConfig.model_validate(read_config(Stores(template, []).global_, run_id))
     except ObjectMissing:
-        raise StoreError(f"{run_id}: no such run in {template}; check the run id or pass --store") from None
+        raise NoSuchRun(f"{run_id}: no such run in {template}; check the run id or pass --store") from None
     stores = Stores(template, config.regions)
     chain = with_eval_losses(stores.global_, [m for m, _ in read_chain(stores.global_, run_id)])
+    if not chain:
+        raise NoSuchRun(f"{run_id}: created in {template}, its round 0 not published yet")
     newest = chain[-1]
     finished = (config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied) is not None
                 or stop_requested(stores.global_, run_id))
-    states = learner_flow_states(run_id)
     return {
         "run_id": run_id,
         "store": template,
@@ -157,6 +164,21 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
         "rounds": [round_row(m) for m in chain[1:]],
         "learners": learner_rows(config, stores, chain, finished, states, time.time() if now is None else now),
     }
+
+
+def watch(run_id: str, store: str | None, every_s: float, sleep=time.sleep) -> Iterator[dict | NoSuchRun]:
+    """The run's status every `every_s` seconds until it is finished. A run not created yet
+    yields why and is waited for, so a watch can start before the run does."""
+    while True:
+        try:
+            report = run_status(run_id, store)
+        except NoSuchRun as exc:
+            yield exc
+        else:
+            yield report
+            if report["state"] == "finished":
+                return
+        sleep(every_s)
 
 
 def render(s: dict) -> str:

@@ -24,7 +24,7 @@ from prefect.states import Cancelling
 
 from flows.artifacts import RunProgress, publish_report
 from flows.buckets import prepare_buckets
-from flows.config import RunConfig, new_run_id
+from flows.config import RunConfig, new_run_id, store_template
 from flows.outer_round import outer_round, summarize
 from flows.progress import ProgressView
 from flows.chaos import Chaos
@@ -36,7 +36,6 @@ from tasks.crash import LEARNER_POINTS, armed, crash_point, parse
 from tasks.evaluate import evaluate_round
 from tasks.publish import publish_initial
 
-EMBEDDED_STORE = "s3://islands-{bucket}"
 LEARNER_EXIT_S = 120.0
 
 
@@ -44,10 +43,6 @@ def _name() -> str:
     cfg = flow_run.parameters["config"]
     run_id = cfg.get("run_id") if isinstance(cfg, dict) else cfg.run_id
     return run_id or "training-run"
-
-
-def store_template(config: RunConfig) -> str:
-    return config.store or EMBEDDED_STORE
 
 
 def create_run(config: RunConfig, stores: Stores) -> None:

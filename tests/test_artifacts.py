@@ -10,7 +10,8 @@ import pytest
 
 from flows.artifacts import browser_url, loss_curves, report_markdown, round_table
 from flows.plot import data_uri, line_chart
-from flows.status import liveness
+from flows import cli, status
+from flows.status import NoSuchRun, liveness
 from storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
 from storage.store import Stores
 
@@ -126,3 +127,23 @@ def test_report_has_the_chart_quorum_decisions_bytes_and_where_things_are():
 )
 def test_liveness(finished, flow_state, age, usual, expected):
     assert liveness(finished, flow_state, age, usual) == expected
+
+
+def test_a_watch_waits_for_the_run_and_ends_once_it_is_finished(monkeypatch):
+    looks = iter([NoSuchRun("r: no such run"), {"state": "running"}, {"state": "finished"}, {"state": "not looked at"}])
+
+    def look(run_id, store):
+        seen = next(looks)
+        if isinstance(seen, Exception):
+            raise seen
+        return seen
+
+    monkeypatch.setattr(status, "run_status", look)
+    slept = []
+    out = [str(x) if isinstance(x, NoSuchRun) else x["state"] for x in status.watch("r", None, 2.5, sleep=slept.append)]
+    assert out == ["r: no such run", "running", "finished"] and slept == [2.5, 2.5]
+
+
+def test_a_watch_needs_seconds_between_looks(capsys):
+    assert cli.main(["status", "r", "--watch", "0"]) == cli.EXIT_CONFIG
+    assert "--watch 0: give the seconds between two looks" in capsys.readouterr().err
