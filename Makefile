@@ -6,6 +6,11 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: run test bench bench-quick up install clean
 
+# Every process these commands start (servers, learners, the CLI) imports torch and Prefect.
+# Python saves what it compiles on first import unless PYTHONDONTWRITEBYTECODE is set, as it is
+# on some machines: then each process compiled them again, a quarter of the tests' CPU.
+unexport PYTHONDONTWRITEBYTECODE
+
 # --no-compile: byte-compiling every installed file (all of torch) took 65 s of a 109 s install;
 # the modules a run imports compile on first import instead (4 s more for torch and Prefect).
 $(STAMP): pyproject.toml
