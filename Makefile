@@ -8,7 +8,8 @@ STAMP   := $(VENV)/.installed
 
 # Every process these commands start (servers, learners, the CLI) imports torch and Prefect.
 # Python saves what it compiles on first import unless PYTHONDONTWRITEBYTECODE is set, as it is
-# on some machines: then each process compiled them again, a quarter of the tests' CPU.
+# on some machines: then each process compiled them again (a quarter of the CPU of
+# tests/test_early_end.py, measured back to back).
 unexport PYTHONDONTWRITEBYTECODE
 
 # --no-compile: byte-compiling every installed file (all of torch) took 65 s of a 109 s install;
