@@ -3,8 +3,10 @@
 The suite is the measurements (SUITE); the ablations run only when named: `schedule` (why the
 pipeline's learner behaviours close the gap to synchronous DiLoCo, `--only schedule`), `codec`
 (what the int4 codecs alone cost in held-out loss, on one replayed schedule, `--only codec`),
-`scaling` (whether the loss follows the learners' compute, the faults bar's premise, `--only scaling`)
-and `learner_start` (a learner process from a fresh interpreter against a fork, `--only learner_start`).
+`scaling` (whether the loss follows the learners' compute, the faults bar's premise, `--only scaling`),
+`learner_start` (a learner process from a fresh interpreter against a fork, `--only learner_start`)
+and `prefect_start` (the Prefect server on a fresh database against the migrated template,
+`--only prefect_start`).
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
@@ -20,7 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import codec, dataplane, faults, learner_start, quality, scaling, schedule, utilization, wire
+from benchmarks import (codec, dataplane, faults, learner_start, prefect_start, quality, scaling, schedule, utilization,
+                        wire)
 from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
@@ -30,6 +33,7 @@ BENCHMARKS = {
     "codec": codec.run,
     "scaling": scaling.run,
     "learner_start": learner_start.run,
+    "prefect_start": prefect_start.run,
     "wire": wire.run,
     "faults": faults.run,
     "utilization": utilization.run,

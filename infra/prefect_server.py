@@ -1,7 +1,8 @@
 """The local Prefect API and UI: `prefect server start` as a child process.
 
 Its SQLite database lives in PREFECT_HOME under the stack's data folder, so flow-run
-history in the UI persists from one `islands run` to the next.
+history in the UI persists from one `islands run` to the next; it is migrated once per
+installed Prefect (infra.prefect_db).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from infra import prefect_db
 from infra.process import LOOPBACK, free_port, http_status, spawn, stop_group, wait_ready
 
 
@@ -39,6 +41,7 @@ class PrefectServer:
         self.log_path = log_path
         self._proc: subprocess.Popen | None = None
         self._api_url: str | None = None
+        self._db: prefect_db.Database | None = None
 
     @property
     def api_url(self) -> str:
@@ -51,6 +54,11 @@ class PrefectServer:
         return ui_url_for(self.api_url)
 
     @property
+    def database(self) -> prefect_db.Database | None:
+        """The SQLite database of the last launch (None: the server was given another)."""
+        return self._db
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
@@ -58,8 +66,10 @@ class PrefectServer:
         """Start the server without waiting; returns the API URL it will answer on.
 
         env must carry PREFECT_HOME. Split from `wait` so the caller can start other
-        servers while this one boots (about 11 s on two cores).
+        servers while this one boots (about 7 s on two cores on a fresh database, 3 s on one
+        already migrated).
         """
+        self._db = prefect_db.prepare(env)
         port = free_port()
         self._api_url = f"http://{LOOPBACK}:{port}/api"
         self._proc = spawn(
@@ -75,6 +85,7 @@ class PrefectServer:
                 "PREFECT_SERVER_UI_ENABLED": "true",
                 "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
                 **{f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in UNUSED_SERVICES},
+                **(self._db.server_env() if self._db else {}),
             },
             self.log_path,
         )
@@ -84,13 +95,20 @@ class PrefectServer:
         """Block until /api/health answers; raise with the server log tail if it does not."""
         if self._proc is None:
             raise RuntimeError("the Prefect server was not launched")
-        wait_ready(
-            self._proc,
-            lambda: api_healthy(self.api_url),
-            timeout,
-            f"The Prefect server ({self.api_url})",
-            self.log_path,
-        )
+        try:
+            wait_ready(
+                self._proc,
+                lambda: api_healthy(self.api_url),
+                timeout,
+                f"The Prefect server ({self.api_url})",
+                self.log_path,
+            )
+        except BaseException:
+            if self._db:
+                self._db.failed()
+            raise
+        if self._db:
+            self._db.started()
 
     def start(self, env: Mapping[str, str], timeout: float = 90.0) -> str:
         """Launch and wait; returns the API URL."""
