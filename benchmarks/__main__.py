@@ -11,7 +11,8 @@ Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A bench
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
 a suite stopped half-way keeps what it measured; the combined table prints at the end, with the
-suite's own wall-clock against its time budget.
+suite's own wall-clock against its time budget. Each part runs on a new embedded stack unless it
+reads the runs of the part before it (`reads_runs_of`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import (codec, dataplane, faults, learner_start, prefect_start, quality, scaling, schedule, utilization,
-                        wire)
+from benchmarks import (codec, dataplane, faults, learner_start, pipeline, prefect_start, quality, scaling, schedule,
+                        utilization, wire)
 from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
@@ -39,7 +40,14 @@ BENCHMARKS = {
     "utilization": utilization.run,
     "dataplane": dataplane.run,
 }
-SUITE = ("quality", "quality_robust", "wire", "faults", "utilization", "dataplane")
+SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane")
+
+
+def reads_runs_of(previous: str | None, name: str, quick: bool) -> bool:
+    """Whether part `name` reads a pipeline run part `previous` made: utilization reads the
+    faults part's run (a), and at --quick's sizes wire's fp32 run is quality's. Such a part keeps
+    the stack; every other part starts on a new one (`pipeline.new_stack`)."""
+    return (previous, name) == ("faults", "utilization") or (quick and (previous, name) == ("quality", "wire"))
 SUITE_MINUTES, PART_MINUTES, QUICK_MINUTES = 45, 25, 3
 
 
@@ -68,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(".islands/bench"), help="where each part's report is written as it finishes")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results, failed, t0 = [], False, time.monotonic()
+    results, failed, t0, previous = [], False, time.monotonic(), None
     for name in args.only or SUITE:
+        if not reads_runs_of(previous, name, args.quick):
+            pipeline.new_stack()
+        previous = name
         started = time.monotonic()
         try:
             res = timed(BENCHMARKS[name], args.quick)

@@ -34,24 +34,44 @@ from tasks.publish import commit, hyper
 
 REGIONS = ("us-east", "eu-west", "ap-south", "sa-east")
 STORE = "s3://islands-{bucket}"
-_STACK: dict = {}
+_STACK: dict = {}  # the running stack: stack, home, env
+_EXIT_HOOKS = False
 
 
 def stack_env() -> dict[str, str]:
-    """Environment of this process's embedded stack, started on first use and stopped at exit."""
+    """Environment of this process's embedded stack, started on first use and stopped at exit
+    or by `new_stack`."""
+    global _EXIT_HOOKS
     if not _STACK:
         from infra.stack import LocalStack
 
         home = Path(tempfile.mkdtemp(prefix="islands-bench-"))
         stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)], keep=False).start(record=True)
-        # Runs are read back before the process ends; their objects (GBs over a suite) go with the stack.
-        atexit.register(shutil.rmtree, home, ignore_errors=True)
-        atexit.register(stack.stop)
-        # SIGTERM (a timeout, `kill`) ends the process through atexit too, so no server is left behind.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        _STACK["env"] = {**stack.env(), "ISLANDS_HOME": str(home)}
+        if not _EXIT_HOOKS:
+            atexit.register(new_stack)
+            # SIGTERM (a timeout, `kill`) ends the process through atexit too, so no server is left behind.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+            _EXIT_HOOKS = True
+        _STACK.update(stack=stack, home=home, env={**stack.env(), "ISLANDS_HOME": str(home)})
         os.environ.update(_STACK["env"])
     return _STACK["env"]
+
+
+def new_stack() -> None:
+    """Stop the stack and forget its runs, so the next run starts on a new one. What a stack
+    holds grows with every run on it (moto's objects, GBs over a suite, which its listings
+    scan; the Prefect server's database; the learner runner's history), so a benchmark part
+    that shares no run with the part before it starts on an empty stack, as it would alone."""
+    if _STACK:
+        _STACK["stack"].stop()
+        shutil.rmtree(_STACK["home"], ignore_errors=True)
+        _STACK.clear()
+        _RUNS.clear()
+        # fsspec hands out one S3 file system per set of arguments; those made so far hold the
+        # old endpoint's clients.
+        from s3fs import S3FileSystem
+
+        S3FileSystem.clear_instance_cache()
 
 
 @dataclass(frozen=True)
