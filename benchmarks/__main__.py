@@ -41,6 +41,7 @@ BENCHMARKS = {
     "dataplane": dataplane.run,
 }
 SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane")
+SUITE_MINUTES, PART_MINUTES, QUICK_MINUTES = 45, 25, 3
 
 
 def reads_runs_of(previous: str | None, name: str, quick: bool) -> bool:
@@ -48,7 +49,6 @@ def reads_runs_of(previous: str | None, name: str, quick: bool) -> bool:
     faults part's run (a), and at --quick's sizes wire's fp32 run is quality's. Such a part keeps
     the stack; every other part starts on a new one (`pipeline.new_stack`)."""
     return (previous, name) == ("faults", "utilization") or (quick and (previous, name) == ("quality", "wire"))
-SUITE_MINUTES, PART_MINUTES, QUICK_MINUTES = 45, 25, 3
 
 
 def time_budget(results: list[Result], total_s: float, quick: bool) -> Result:

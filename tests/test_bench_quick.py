@@ -52,3 +52,29 @@ def test_a_part_that_fails_keeps_the_time_it_spent(tmp_path, monkeypatch):
     assert "| dataplane: did not complete | n/a | runs | no |" in report
     assert "RuntimeError: round 1 had nothing in" in report
     assert "## dataplane (1 s)" in report  # not 0 s: the suite's time counts it
+
+
+def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, monkeypatch):
+    """Each part starts on a new stack, as it would alone, except where it reads runs the part
+    just before it made: so those pairs must stay next to each other in the suite."""
+    import benchmarks.__main__ as suite
+
+    assert suite.reads_runs_of("faults", "utilization", quick=False)
+    assert suite.reads_runs_of("quality", "wire", quick=True)
+    assert not suite.reads_runs_of("quality", "wire", quick=False)  # wire's own budget: no run to share
+    assert not suite.reads_runs_of(None, "quality", quick=True)
+    assert not suite.reads_runs_of("utilization", "dataplane", quick=False)
+    order = list(suite.SUITE)
+    assert order.index("utilization") == order.index("faults") + 1
+    assert order.index("wire") == order.index("quality") + 1
+
+    calls = []
+
+    def part(name):
+        return lambda quick: calls.append(name) or Result(name)
+
+    monkeypatch.setattr(suite.pipeline, "new_stack", lambda: calls.append("new stack"))
+    monkeypatch.setattr(suite, "BENCHMARKS", {name: part(name) for name in suite.SUITE})
+    assert suite.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert calls == ["new stack", "quality", "wire", "new stack", "quality_robust", "new stack", "faults", "utilization",
+                     "new stack", "dataplane"]
