@@ -52,7 +52,10 @@ class Database:
             return
         marker_path(self.path).write_text(self.prefect)
         if self.fresh and not self.template.exists():
-            snapshot(self.path, self.template)
+            try:
+                snapshot(self.path, self.template)
+            except (OSError, sqlite3.Error):
+                pass  # no cache to write to (a read-only home): every fresh home migrates, as before
 
     def failed(self) -> None:
         """A server that did not start from the template's copy: drop the template, so the next
@@ -71,9 +74,12 @@ def prepare(env: Mapping[str, str]) -> Database | None:
     fresh, seeded = not db.exists(), False
     if fresh and template.exists():
         db.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(template, db)
-        marker_path(db).write_text(prefect)
-        fresh, seeded = False, True
+        try:
+            shutil.copyfile(template, db)
+            marker_path(db).write_text(prefect)
+            fresh, seeded = False, True
+        except OSError:  # an unreadable template: this home migrates from nothing
+            db.unlink(missing_ok=True)
     marker = marker_path(db)
     migrated = db.exists() and marker.exists() and marker.read_text() == prefect
     return Database(db, template, prefect, migrated, fresh, seeded)

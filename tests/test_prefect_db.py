@@ -80,6 +80,15 @@ def test_a_server_that_fails_on_the_seeded_copy_drops_the_template(env):
     assert fresh_elsewhere.fresh and not fresh_elsewhere.migrated
 
 
+def test_without_a_cache_to_write_to_the_server_still_starts(env, tmp_path):
+    """A read-only or missing cache folder costs the template, never the start."""
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    db = prefect_db.prepare(env)
+    make_db(db.path)
+    db.started()
+    assert prefect_db.marker_path(db.path).read_text() == "3.0.0" and not db.template.exists()
+
+
 @pytest.mark.parametrize("setting", prefect_db.CONNECTION_SETTINGS)
 def test_a_server_given_another_database_is_left_alone(env, setting):
     assert prefect_db.prepare({**env, setting: "postgresql+asyncpg://db/prefect"}) is None
