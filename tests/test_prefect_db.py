@@ -2,16 +2,15 @@
 from a migrated template, a home already at that version's head is not migrated again, and
 anything else migrates as before."""
 
-import json
 import os
 import sqlite3
-import urllib.request
 from contextlib import closing
 
 import pytest
 
 from infra import prefect_db
 from infra.prefect_server import PrefectServer
+from served_stack import Api
 
 
 def make_db(path, rows=()):
@@ -104,18 +103,12 @@ def test_a_real_server_starts_from_the_template_and_serves_the_api(tmp_path):
         server.start({**os.environ, "PREFECT_HOME": str(home), "XDG_CACHE_HOME": str(cache)})
         try:
             seen.append(server.database)
-            made = call(server.api_url + "/flows/", {"name": f"flow-{home.name}"})
-            assert call(server.api_url + f"/flows/{made['id']}")["name"] == f"flow-{home.name}"
+            api = Api(server.api_url)
+            made = api.call("POST", "/flows/", {"name": f"flow-{home.name}"})
+            assert api.call("GET", f"/flows/{made['id']}")["name"] == f"flow-{home.name}"
         finally:
             server.stop()
     first, second = seen
     assert (first.fresh, first.migrated) == (True, False)
     assert (second.seeded, second.migrated) == (True, True)
     assert first.template == second.template and second.template.exists()
-
-
-def call(url, body=None):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
