@@ -61,7 +61,7 @@ def publish_round_artifacts(manifest: Manifest, manifest_url: str) -> None:
         key=key,
         description=(
             f"{manifest.run} round {manifest.round}: closed by {q.closed_by} with {q.received}/{q.max_quorum} learners "
-            f"(Q_min {q.min_quorum}) after {q.waited_s:.1f} s; eval loss {manifest.eval_loss:.4f}; "
+            f"(Q_min {q.min_quorum}) after {q.waited_s:.1f} s; eval loss {loss_text(manifest.eval_loss)}; "
             f"{len(manifest.excluded)} excluded. Manifest: [{manifest_url}]({link})"
         ),
     )
@@ -107,7 +107,7 @@ def report_markdown(summary: dict, rows: list[dict], manifests: list[Manifest], 
     lines = [
         f"# {run}",
         "",
-        f"Eval loss {summary['eval_loss_round0']:.4f} at round 0 → {summary['eval_loss_final']:.4f} at round "
+        f"Eval loss {loss_text(summary['eval_loss_round0'])} at round 0 → {loss_text(summary['eval_loss_final'])} at round "
         f"{summary['rounds_published']}, in {summary['wall_s']:.0f} s."
         + (f" Ended: {summary['ended']}." if summary.get("ended") else ""),
         "",

@@ -39,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=int)
     run.add_argument("--target-loss", type=float, help="stop once a round's held-out eval loss is at most this")
     run.add_argument("--token-budget", type=int, help="stop once the rounds have merged this many trained tokens")
+    run.add_argument("--eval-every", type=int, help="evaluate every N-th round (and the last); 0: the last only")
     run.add_argument("--regions", help="comma-separated, e.g. us-east,eu-west")
     run.add_argument("--learners-per-region", type=int)
     run.add_argument("--inner-steps", type=int, help="H, inner steps per phase")
@@ -97,8 +98,8 @@ def parser() -> argparse.ArgumentParser:
 def overrides(args: argparse.Namespace) -> dict:
     out: dict = {}
     simple = {"run_id": "run_id", "rounds": "rounds", "target_loss": "target_loss", "token_budget": "token_budget",
-              "inner_steps": "inner_steps", "store": "store", "corpus": "corpus", "model": "model", "codec": "codec",
-              "learners_per_region": "learners_per_region"}
+              "eval_every": "eval_every", "inner_steps": "inner_steps", "store": "store", "corpus": "corpus",
+              "model": "model", "codec": "codec", "learners_per_region": "learners_per_region"}
     for attr, field in simple.items():
         if getattr(args, attr, None) is not None:
             out[field] = getattr(args, attr)

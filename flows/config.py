@@ -116,7 +116,10 @@ class RunConfig(BaseModel):
         True, description="Scale a phase's inner steps to the learner's rate: H for the fastest learners, H × its rate / the fastest's for a slower one, so its phases end with theirs and its deltas come as often and as fresh."
     )
     torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
-    eval_batches: int = Field(16, gt=0, description="Held-out batches the synchronizer evaluates each round.")
+    eval_batches: int = Field(16, gt=0, description="Held-out batches in each evaluation of a round's checkpoint.")
+    eval_every: int = Field(
+        1, ge=0, description="Evaluate every N-th round's checkpoint on the held-out split, round 0 included, and the run's last round whatever N; 0: the last round only. The synchronizer evaluates between rounds, so rarer evaluations let the next round close sooner; target_loss is checked on the rounds evaluated."
+    )
     inner: InnerSettings = InnerSettings()
     merge: MergeSettings = MergeSettings()
     quorum: QuorumSettings = QuorumSettings()
@@ -171,6 +174,8 @@ class RunConfig(BaseModel):
             raise ValueError(f"quorum.min_quorum: {self.quorum.min_quorum} is more than the {n} learners; lower it or add learners")
         if self.quorum.max_quorum is not None and not self.quorum.min_quorum <= self.quorum.max_quorum <= n:
             raise ValueError(f"quorum.max_quorum: must lie between min_quorum and the {n} learners")
+        if self.target_loss is not None and self.eval_every == 0:
+            raise ValueError("eval_every: 0 evaluates the last round only, so target_loss could never end the run; set eval_every >= 1")
         return self
 
     @property
@@ -203,6 +208,11 @@ class RunConfig(BaseModel):
         if self.token_budget is not None:
             parts.append(f"{self.token_budget:,} tokens merged")
         return " or ".join(parts)
+
+    def evaluates(self, round_: int, tokens_applied: int) -> bool:
+        """Whether round `round_`, with `tokens_applied` tokens merged so far, is evaluated once
+        published: every eval_every-th round, and the one that ends the run."""
+        return (self.eval_every > 0 and round_ % self.eval_every == 0) or self.ended_by(round_, None, tokens_applied) is not None
 
     def ended_by(self, round_: int, eval_loss: float | None, tokens_applied: int) -> str | None:
         """Why the run is over once round `round_` is published with `eval_loss` (None: not

@@ -1,4 +1,4 @@
-"""The outer-round flow: collect → merge → publish → evaluate for one round; one flow run per round.
+"""The outer-round flow: collect → merge → publish → evaluate (when due) for one round; one flow run per round.
 
 Everything it needs is read from the global bucket, so retrying a failed run of this flow (from
 the UI, the API or `islands resume`) finishes the round from what is already in storage.
@@ -21,7 +21,7 @@ from storage.rounds import evaluated, read_config, read_manifest
 from storage.store import Stores
 from tasks.collect import collect
 from tasks.crash import crash_point
-from tasks.evaluate import evaluate_round
+from tasks.evaluate import round_loss
 from tasks.merge_step import merge
 from tasks.publish import publish
 from tasks.round_state import RoundState
@@ -59,9 +59,9 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     # One learner's share of the cores: more threads only spin against the learners beside it.
     torch.set_num_threads(config.threads_per_learner())
     if stores.global_.exists(layout.manifest_key(run_id, round)):  # rounds are published in order
-        log.info("%s round %d is already published; nothing to do but its evaluation, if missing", run_id, round)
+        log.info("%s round %d is already published; nothing to do but its evaluation, if due and missing", run_id, round)
         manifest = read_manifest(stores.global_, run_id, round)[0]
-        loss = evaluate_round(config, stores.global_, manifest)
+        loss = round_loss(config, stores.global_, manifest)
         return {**summarize(evaluated(manifest, loss)), "outcome": "already-published"}
     t0 = time.perf_counter()
     state = RoundState.load(config, run_id, stores)
@@ -77,8 +77,8 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
         timings = {"load_s": round_s(t1 - t0), "collect_s": round_s(t2 - t1), "merge_s": round_s(t3 - t2)}
         published = publish(state, collected, merged, timings)
         # θ_r in memory is the round's unless another synchronizer's round was adopted.
-        loss = evaluate_round(config, stores.global_, published.manifest,
-                              merged.model if published.outcome != "adopted" else None)
+        loss = round_loss(config, stores.global_, published.manifest,
+                          merged.model if published.outcome != "adopted" else None)
     finally:
         state.drop_spool()
     manifest = evaluated(published.manifest, loss)

@@ -13,8 +13,8 @@ def mb(n: int) -> str:
 
 
 def loss_text(loss: float | None) -> str:
-    """A held-out loss as shown; None for a round published and not evaluated yet."""
-    return "pending" if loss is None else f"{loss:.4f}"
+    """A held-out loss as shown; None for a round not evaluated (yet, or at all: eval_every)."""
+    return "—" if loss is None else f"{loss:.4f}"
 
 
 class ProgressView:
@@ -29,13 +29,13 @@ class ProgressView:
         self.console.print(
             f"[bold]{self.run}[/]: {config.num_learners} learners in {', '.join(config.regions)} "
             f"(slowed: {slow}); H={config.inner_steps}, Q_min={config.quorum.min_quorum}, "
-            f"{config.end_rule()}; round {newest.round} eval loss {newest.eval_loss:.4f}"
+            f"{config.end_rule()}; round {newest.round} eval loss {loss_text(newest.eval_loss)}"
         )
         self.console.print(f"[dim]{'round':>5}  {'closed by':<12} {'wait s':>6}  {'eval loss':>9}  {'in':>8}  contributors (learner@staleness)[/]")
 
     def round(self, s: dict) -> None:
         line = (
-            f"{s['round']:>5}  {s['closed_by']:<12} {s['waited_s']:>6.1f}  {s['eval_loss']:>9.4f}  "
+            f"{s['round']:>5}  {s['closed_by']:<12} {s['waited_s']:>6.1f}  {loss_text(s['eval_loss']):>9}  "
             f"{mb(s['bytes_in']):>8}  {s['learners']}"
         )
         if s["excluded"]:
@@ -46,7 +46,7 @@ class ProgressView:
         c = self.console
         c.print(
             f"[bold green]done[/]: {summary['rounds_published']} rounds in {summary['wall_s']:.0f} s; eval loss "
-            f"{summary['eval_loss_round0']:.4f} (round 0) → {summary['eval_loss_final']:.4f}"
+            f"{loss_text(summary['eval_loss_round0'])} (round 0) → {loss_text(summary['eval_loss_final'])}"
         )
         c.print(f"checkpoints: {summary['checkpoints']}")
         for region, b in summary["bytes"].items():

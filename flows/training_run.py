@@ -33,7 +33,7 @@ from storage import layout, lease
 from storage.rounds import evaluated, latest_round, object_metadata, read_chain, with_eval_losses
 from storage.store import Stores
 from tasks.crash import LEARNER_POINTS, armed, crash_point, parse
-from tasks.evaluate import evaluate_round
+from tasks.evaluate import round_loss
 from tasks.publish import publish_initial
 
 LEARNER_EXIT_S = 120.0
@@ -141,7 +141,7 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
     view = ProgressView(run)
     newest = read_chain(stores.global_, run)[-1][0]
     # A synchronizer that died between a round's manifest and its evaluation left it to us.
-    newest = evaluated(newest, evaluate_round(config, stores.global_, newest))
+    newest = evaluated(newest, round_loss(config, stores.global_, newest))
     view.header(newest, config)
     progress = RunProgress(run, config.rounds, start)
     retired = retire_learners(run) if epoch > 0 else []

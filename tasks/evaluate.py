@@ -1,4 +1,5 @@
-"""Evaluate: a published round's held-out loss, written beside its manifest after the commit.
+"""Evaluate: a published round's held-out loss, written beside its manifest after the commit,
+for the rounds the run evaluates (RunConfig.eval_every, and the last).
 
 The learners poll for manifests; evaluating θ_r before the commit put the evaluation on the way
 from a round's close to the learners, which the quality from a warm start paid for. The loss is
@@ -61,3 +62,13 @@ def evaluate_round(config: RunConfig, store: ObjectStore, manifest: Manifest,
     ))
     get_run_logger().info("%s round %d: eval loss %.4f", manifest.run, manifest.round, loss)
     return loss
+
+
+def round_loss(config: RunConfig, store: ObjectStore, manifest: Manifest,
+               params: dict[str, torch.Tensor] | None = None) -> float | None:
+    """The published round's held-out loss: evaluated (or read) when the run evaluates this
+    round, else read if written; None when it is not evaluated."""
+    if config.evaluates(manifest.round, manifest.tokens_applied):
+        return evaluate_round(config, store, manifest, params)
+    written = read_evaluation(store, manifest)
+    return None if written is None else written.eval_loss

@@ -62,11 +62,12 @@ def commit(stores: Stores, manifest: Manifest) -> Published:
 
 
 def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
-    """Round 0: the seeded initial model, its held-out loss, no momentum yet."""
+    """Round 0: the seeded initial model, its held-out loss (if the run evaluates round 0), no
+    momentum yet."""
     model = build_model(config.model, config.seed)
     params = params_of(model)
     ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
-    loss = held_out_loss(config, params)
+    loss = held_out_loss(config, params) if config.evaluates(0, 0) else None
     learners = [name for name, _, _ in config.learners()]
     manifest = Manifest(
         run=run, round=0, parent_round=None, parent_sha256=None, created_at=_now(), model=ref, outer=None,

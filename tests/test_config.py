@@ -79,6 +79,19 @@ def test_a_run_ends_at_its_last_round_its_target_loss_or_its_token_budget():
             RunConfig(**{field: 0})
 
 
+def test_rounds_evaluated_are_every_nth_and_the_one_that_ends_the_run():
+    every3 = RunConfig(rounds=10, eval_every=3, token_budget=1000)
+    assert [r for r in range(11) if every3.evaluates(r, 0)] == [0, 3, 6, 9, 10]
+    assert every3.evaluates(4, 1000)  # the round that merges the budget is the run's result
+    last_only = RunConfig(rounds=10, eval_every=0)
+    assert [r for r in range(11) if last_only.evaluates(r, 0)] == [10]
+    assert all(RunConfig(rounds=10).evaluates(r, 0) for r in range(11))  # the default: every round
+    with pytest.raises(ValidationError, match="eval_every: 0 evaluates the last round only"):
+        RunConfig(eval_every=0, target_loss=2.5)
+    with pytest.raises(ValidationError, match="eval_every"):
+        RunConfig(eval_every=-1)
+
+
 def test_load_config_file_with_nested_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('rounds = 3\ncodec = "bf16"\n[quorum]\ngrace_max_s = 2.5\nmin_quorum = 1\n[merge]\nouter_lr = 0.3\n')
@@ -114,9 +127,9 @@ def test_load_config_errors_name_the_field(tmp_path):
 def test_cli_overrides_map_flags_to_fields():
     args = cli.parser().parse_args(["run", "--min-quorum", "2", "--inner-steps", "7", "--speed", "us-east=0.5",
                                     "--speed", "eu-west=1", "--codec", "bf16", "--target-loss", "2.4",
-                                    "--token-budget", "5000"])
+                                    "--token-budget", "5000", "--eval-every", "0"])
     assert cli.overrides(args) == {"quorum.min_quorum": 2, "inner_steps": 7, "codec": "bf16", "target_loss": 2.4,
-                                   "token_budget": 5000, "speed": {"us-east": 0.5, "eu-west": 1.0}}
+                                   "token_budget": 5000, "eval_every": 0, "speed": {"us-east": 0.5, "eu-west": 1.0}}
     # other regions without --speed: the demo's eu-west slowdown no longer applies
     args = cli.parser().parse_args(["run", "--regions", "a-1, b-2"])
     assert cli.overrides(args) == {"regions": ["a-1", "b-2"]}

@@ -59,7 +59,8 @@ def test_resume_of_an_ended_run_publishes_nothing(target_run, env):
 
 
 def test_a_run_ends_at_the_first_round_that_merges_its_token_budget(env):
-    summary = run(env, "budget-run", "--token-budget", str(BUDGET))
+    """With eval_every 0: the synchronizer evaluates the round that ends the run, no other."""
+    summary = run(env, "budget-run", "--token-budget", str(BUDGET), "--eval-every", "0")
     last = summary["rounds_published"]
     assert 1 <= last < ROUNDS and summary["ended"].startswith(f"round {last} merged the token budget of {BUDGET:,}")
     assert set(summary["learners"].values()) == {"Completed"}
@@ -67,3 +68,5 @@ def test_a_run_ends_at_the_first_round_that_merges_its_token_budget(env):
     assert status["state"] == "finished" and status["tokens_applied"] >= BUDGET
     assert [r["round"] for r in status["rounds"]] == list(range(1, last + 1))
     assert all(r["tokens_applied"] < BUDGET for r in status["rounds"][:-1])
+    assert summary["eval_loss_round0"] is None and [r["eval_loss"] is None for r in status["rounds"]] == [True] * (last - 1) + [False]
+    assert summary["eval_loss_final"] == status["rounds"][-1]["eval_loss"] < 5.6
