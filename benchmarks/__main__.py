@@ -4,15 +4,16 @@ The suite is the measurements (SUITE); the ablations run only when named: `sched
 pipeline's learner behaviours close the gap to synchronous DiLoCo, `--only schedule`), `codec`
 (what the int4 codecs alone cost in held-out loss, on one replayed schedule, `--only codec`),
 `scaling` (whether the loss follows the learners' compute, the faults bar's premise, `--only scaling`),
-`learner_start` (a learner process from a fresh interpreter against a fork, `--only learner_start`)
-and `prefect_start` (the Prefect server on a fresh database against the migrated template,
-`--only prefect_start`).
+`learner_start` (a learner process from a fresh interpreter against a fork, `--only learner_start`),
+`prefect_start` (the Prefect server on a fresh database against the migrated template,
+`--only prefect_start`) and `eval_cadence` (the pipeline evaluating every round against the last
+alone, `--only eval_cadence`).
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
 a suite stopped half-way keeps what it measured; the combined table prints at the end, with the
-suite's own wall-clock against its time budget. Each part runs on a new embedded stack unless it
-reads the runs of the part before it (`reads_runs_of`).
+suite's own wall-clock against its time budget. Each full-size part runs on a new embedded stack
+unless it reads the runs of the part before it (`keeps_stack`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import (codec, dataplane, faults, learner_start, pipeline, prefect_start, quality, scaling, schedule,
-                        utilization, wire)
+from benchmarks import (codec, dataplane, eval_cadence, faults, learner_start, pipeline, prefect_start, quality, scaling,
+                        schedule, utilization, wire)
 from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "scaling": scaling.run,
     "learner_start": learner_start.run,
     "prefect_start": prefect_start.run,
+    "eval_cadence": eval_cadence.run,
     "wire": wire.run,
     "faults": faults.run,
     "utilization": utilization.run,
@@ -44,11 +46,13 @@ SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplan
 SUITE_MINUTES, PART_MINUTES, QUICK_MINUTES = 45, 25, 3
 
 
-def reads_runs_of(previous: str | None, name: str, quick: bool) -> bool:
-    """Whether part `name` reads a pipeline run part `previous` made: utilization reads the
-    faults part's run (a), and at --quick's sizes wire's fp32 run is quality's. Such a part keeps
-    the stack; every other part starts on a new one (`pipeline.new_stack`)."""
-    return (previous, name) == ("faults", "utilization") or (quick and (previous, name) == ("quality", "wire"))
+def keeps_stack(previous: str | None, name: str, quick: bool) -> bool:
+    """Whether part `name` runs on the stack part `previous` used, with its runs. At --quick's toy
+    sizes every part does: the stack stays small, a new one costs seconds of the 3 minutes, and
+    wire's fp32 run is quality's. At full size, only a part that reads a run of the part before:
+    utilization reads the faults part's run (a). Every other part starts on a new stack
+    (`pipeline.new_stack`)."""
+    return quick or (previous, name) == ("faults", "utilization")
 
 
 def time_budget(results: list[Result], total_s: float, quick: bool) -> Result:
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results, failed, t0, previous = [], False, time.monotonic(), None
     for name in args.only or SUITE:
-        if not reads_runs_of(previous, name, args.quick):
+        if not keeps_stack(previous, name, args.quick):
             pipeline.new_stack()
         previous = name
         started = time.monotonic()

@@ -4,10 +4,11 @@
 and another killed for the middle third of its way to the target (`islands run --chaos`); (c) synchronous
 DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min = all), learners
 waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever:
-twice the slow learner's phase at its floor, and at least 20 s (`round_timeout_s`), so only the
-dead one is given up on, and longer than the learners take to start, since round 1's clock runs
-while they do. Both take longer on a slower machine: a fixed 20 s, below a slow phase of 19.6 s
-on a day when a full-speed step took 0.196 s instead of 0.11, failed round 1 with nothing in.
+twice the slow learner's phase at its floor, and at least 12 s (`round_timeout_s`), so only the
+dead one is given up on, and longer than the learners take to start and send their first deltas,
+since round 1's clock runs while they do (about 6 s at --quick's sizes, where the 12 s binds).
+Both take longer on a slower machine: a fixed 20 s, below a slow phase of 19.6 s on a day when
+a full-speed step took 0.196 s instead of 0.11, failed round 1 with nothing in.
 
 Each learner's rate is capped at 0.3 of its full speed: an inner step (1 thread) takes at least
 3.3× the time one step takes at full speed, measured with the learner alone on the machine before
@@ -54,9 +55,10 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     where each run got to 2.35: rounds 18–29 in every run so far, so the kill falls on each run's
     way to the target. Each run ends at the round that reaches the target (`target_loss`): the
     rounds after it measured nothing. 36 rounds is only the cap. --quick reaches its target in
-    round 1 and goes on to round 4 to rehearse the kill (after round 1) and the restart (after
-    round 2): (c) waits out its round timeout once, in round 2."""
-    h, rounds, target, (kill, restart) = (5, 4, 4.5, (1, 2)) if quick else (10, 36, 2.35, (10, 20))
+    round 1 and goes on to round 3 to rehearse the kill (after round 1) and the restart (after
+    round 2): (c) waits out its round timeout once, in round 2, and merges the restarted learner
+    in round 3."""
+    h, rounds, target, (kill, restart) = (5, 3, 4.5, (1, 2)) if quick else (10, 36, 2.35, (10, 20))
     floor = step_floor_s()
     capped = tuple((r, floor) for r in pipeline.REGIONS)
     faulty = tuple((r, SLOWDOWN * floor if r == SLOW else floor) for r in pipeline.REGIONS)
@@ -70,8 +72,8 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
 
 
 def round_timeout_s(h: int) -> float:
-    """(c)'s round timeout: twice the slow learner's phase at its floor, at least 20 s."""
-    return max(20.0, 2 * h * SLOWDOWN * step_floor_s())
+    """(c)'s round timeout: twice the slow learner's phase at its floor, at least 12 s."""
+    return max(12.0, 2 * h * SLOWDOWN * step_floor_s())
 
 
 def goodput(run: pipeline.Run) -> float:

@@ -97,13 +97,15 @@ class Spec:
     init: str | None = None  # a name in WARM_STARTS: round 0 is that model instead of the seeded one
     target_loss: float | None = None  # end the run at the first round this good (RunConfig.target_loss)
     token_budget: int | None = None  # end the run once its rounds have merged this many tokens
+    eval_every: int = 1  # 0: the synchronizer evaluates the last round only (RunConfig.eval_every)
 
     def config(self) -> dict:
         return {
             "run_id": f"b-{self.name}-{hashlib.sha1(repr(self).encode()).hexdigest()[:6]}", "regions": list(REGIONS), "rounds": self.rounds,
             "inner_steps": self.inner_steps, "model": PRESET, "corpus": CORPUS, "seed": self.seed,
-            "speed": dict(self.speed), "min_step_s": dict(self.min_step_s), "codec": self.codec, "update_codec": self.update_codec, "eval_batches": EVAL_BATCHES, "learner_wait_s": self.learner_wait_s,
-            "rebase": self.rebase, "carry": self.carry,
+            "speed": dict(self.speed), "min_step_s": dict(self.min_step_s), "codec": self.codec,
+            "update_codec": self.update_codec, "eval_batches": EVAL_BATCHES, "eval_every": self.eval_every,
+            "learner_wait_s": self.learner_wait_s, "rebase": self.rebase, "carry": self.carry,
             "inner": {"batch_size": BATCH, "warmup_steps": self.warmup, "total_steps": self.total_steps},
             "quorum": {"min_quorum": self.min_quorum, "round_timeout_s": self.round_timeout_s},
             **{key: value for key, value in (("target_loss", self.target_loss), ("token_budget", self.token_budget))
@@ -140,7 +142,7 @@ def seed_round0(spec: Spec, stores: Stores) -> None:
 
     commit(stores, Manifest(
         run=run, round=0, parent_round=None, parent_sha256=None, created_at=datetime.now().astimezone().isoformat(),
-        model=ref, outer=None, hyper=hyper(config), eval_loss=loss(params),
+        model=ref, outer=None, hyper=hyper(config), eval_loss=loss(params) if config.evaluates(0, 0) else None,
         quorum=Quorum(min_quorum=config.quorum.min_quorum, max_quorum=config.max_quorum, received=0,
                       learners=[n for n, _, _ in config.learners()], waited_s=0.0, closed_by="initial"),
     ))

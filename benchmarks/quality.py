@@ -33,16 +33,18 @@ def hs(quick: bool) -> tuple[int, ...]:
 def decoupled_spec(quick: bool, h: int, seed: int = 0, init: str | None = None, steps: int | None = None) -> pipeline.Spec:
     """4 learners, one at a third of the speed, Q_min 2. The run ends at the round that has
     merged the budget's tokens (`token_budget`), by which the learners have trained them too.
-    The rounds are a cap with room: a round merges about 3 + 1/3 phases' worth of tokens (three
-    learners at full speed, the slow one's paced third), plus a tenth and three rounds, because
-    rounds that close on a partial quorum hold less (at H=50, 2.65 phases' worth a round was
-    measured); one round at --quick's toy sizes, where the rounds only need to run."""
+    The rounds are only a cap, one full phase's worth of tokens a round plus three: a round
+    merges at least Q_min deltas, and about 3 + 1/3 phases' worth when the learners' phases end
+    together (2.65 were measured at H=50), fewer when rounds close sooner than phases end. The
+    synchronizer evaluates the last round alone (`eval_every` 0): the parts evaluate the round at
+    their budget themselves, and the evaluations between cost the rounds time
+    (`python -m benchmarks --only eval_cadence`)."""
     b = budget(quick)
     steps = steps or b.steps
-    rounds = max(2, round(1.1 * b.learners * steps / h / (3 + 1 / 3)) + (1 if quick else 3))
+    rounds = b.learners * steps // h + 3
     return pipeline.Spec(name=f"q{h}s{seed}{'w' if init else ''}", inner_steps=h, rounds=rounds, seed=seed,
                          warmup=b.warmup, total_steps=steps, init=init,
-                         token_budget=Budget(b.learners, steps, b.warmup).tokens)
+                         token_budget=Budget(b.learners, steps, b.warmup).tokens, eval_every=0)
 
 
 def at_budget(spec: pipeline.Spec, tokens: int) -> tuple[float, dict]:
