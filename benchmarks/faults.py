@@ -6,9 +6,10 @@ DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min
 waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever:
 twice the slow learner's phase at its floor, and at least 12 s (`round_timeout_s`), so only the
 dead one is given up on, and longer than the learners take to start and send their first deltas,
-since round 1's clock runs while they do (about 6 s at --quick's sizes, where the 12 s binds).
-Both take longer on a slower machine: a fixed 20 s, below a slow phase of 19.6 s on a day when
-a full-speed step took 0.196 s instead of 0.11, failed round 1 with nothing in.
+since round 1's clock runs while they do (at --quick's sizes round 1 closed after 8.2 s with
+every delta in, its timeout 13.1 s). Both take longer on a slower machine: a fixed 20 s, below
+a slow phase of 19.6 s on a day when a full-speed step took 0.196 s instead of 0.11, failed
+round 1 with nothing in.
 
 Each learner's rate is capped at 0.3 of its full speed: an inner step (1 thread) takes at least
 3.3× the time one step takes at full speed, measured with the learner alone on the machine before
