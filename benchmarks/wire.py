@@ -106,9 +106,10 @@ def run(quick: bool) -> Result:
     res.raw["loss_fp32_h%d" % h10], res.raw["loss_int4_h%d" % h10] = {"loss": loss32, **f32}, {"loss": loss4, **f4}
     res.rows.insert(2, at_most(f"wire: held-out loss int4 / fp32, H={h10}", loss4 / loss32, INT4_LOSS_BAR,
                                f"int4 deltas, {INT4_UPDATES} updates, with error feedback on both sides; the budget was "
-                               f"reached at round {f4['round']} with int4 and {f32['round']} with fp32: rounds that close on "
-                               "more deltas give fewer outer steps for the same tokens, and at this third of the quality "
-                               "budget the round count swings with timing"))
+                               f"reached at round {f4['round']} with int4 ({f4['applied_tokens']:,} tokens merged) and "
+                               f"{f32['round']} with fp32 ({f32['applied_tokens']:,}): two runs whose rounds and merged "
+                               "tokens move with their timing; `python -m benchmarks --only codec` measures the codecs "
+                               "alone on one replayed schedule"))
     return res
 
 
