@@ -25,7 +25,6 @@ from tasks.merge import MergeRule, merge_round
 from tasks.model import build_model, params_of
 
 
-
 @dataclass(frozen=True)
 class Budget:
     learners: int = 4

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from benchmarks.heldout import BATCH, PRESET, train_bytes
-from benchmarks.inprocess import Budget
-from tasks.data import BatchSampler, shard
-from tasks.inner import InnerConfig, InnerTrainer, carried
+from benchmarks.heldout import BATCH, PRESET
+from benchmarks.inprocess import Budget, learner_trainers
+from tasks.inner import InnerTrainer, carried
 from tasks.compress import compress_with_feedback, from_wire
 from tasks.merge import Candidate, MergeRule, encode_update, merge_round, plan_merge
 from tasks.model import build_model, params_of
@@ -86,12 +85,9 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
     Round 0 is `init` when given (a warm start), else the seeded model; `on_round(r, θ_r)` sees
     each round's model as it is published."""
     block = build_model(PRESET, seed).config.block_size
-    cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
-    learners = []
-    for i, speed in enumerate(schedule.speeds):
-        data = shard(train_bytes(), i, len(schedule.speeds), block_size=block)
-        trainer = InnerTrainer(build_model(PRESET, seed), BatchSampler(data, BATCH, block, seed=seed * 1000 + i), cfg)
-        learners.append(_Learner(trainer, speed))
+    alive = len(schedule.speeds)
+    learners = [_Learner(trainer, speed) for trainer, speed in
+                zip(learner_trainers(replace(budget, learners=alive), seed, range(alive)), schedule.speeds)]
     names = [f"l{i}" for i in range(len(learners) + schedule.away)]  # the away ones last: never trained
     policy = QuorumPolicy(min_quorum=schedule.min_quorum, max_quorum=len(names), grace_max_s=20.0,
                           deadline_s=600.0, grace_fraction=schedule.grace_fraction)
