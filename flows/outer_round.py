@@ -21,7 +21,7 @@ from storage.rounds import evaluated, read_config, read_manifest
 from storage.store import Stores
 from tasks.collect import collect
 from tasks.crash import crash_point
-from tasks.evaluate import round_loss
+from tasks.evaluate import evaluate_round, round_loss
 from tasks.merge_step import merge
 from tasks.publish import publish
 from tasks.round_state import RoundState
@@ -76,9 +76,11 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
         t3 = time.perf_counter()
         timings = {"load_s": round_s(t1 - t0), "collect_s": round_s(t2 - t1), "merge_s": round_s(t3 - t2)}
         published = publish(state, collected, merged, timings)
-        # θ_r in memory is the round's unless another synchronizer's round was adopted.
-        loss = round_loss(config, stores.global_, published.manifest,
-                          merged.model if published.outcome != "adopted" else None)
+        # θ_r in memory is the round's unless another synchronizer's round was adopted. A round
+        # just committed and not due has no evaluation to read.
+        due = config.evaluates(round, published.manifest.tokens_applied)
+        loss = evaluate_round(config, stores.global_, published.manifest,
+                              merged.model if published.outcome != "adopted" else None) if due else None
     finally:
         state.drop_spool()
     manifest = evaluated(published.manifest, loss)
