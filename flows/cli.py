@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--store", help="bucket URL template, e.g. s3://islands-{bucket} or file:///data/islands/{bucket}")
     run.add_argument("--corpus", help="fsspec URL or glob of the training text (default: stdlib)")
     run.add_argument("--model", help="tiny or small")
-    run.add_argument("--codec", help="fp32, bf16, int8, int4 or int2")
+    run.add_argument("--codec", help="fp32, bf16, int8, int4, int3 or int2")
     run.add_argument("--speed", type=_speed, action="append", metavar="REGION=FACTOR", help="slow a region down (repeatable)")
     run.add_argument("--json", action="store_true", help="end with one JSON object")
     run.add_argument("--chaos", action="append", metavar="SPEC",

@@ -1,6 +1,6 @@
 """Tensors on the wire: safetensors with string metadata, never pickle.
 
-Codecs: fp32, bf16, and int8/int4/int2 with per-block scales (tasks.compress defines the wire form).
+Codecs: fp32, bf16, and int8/int4/int3/int2 with per-block scales (tasks.compress defines the wire form).
 Whatever the codec, `decode` returns float32 tensors under the original names, so validation
 and the merge never see the codec.
 

@@ -1,13 +1,14 @@
-"""Deltas in fewer bits: block-wise int8/int4/int2 quantization, and error feedback.
+"""Deltas in fewer bits: block-wise int8/int4/int3/int2 quantization, and error feedback.
 
 Each tensor is cut into blocks of BLOCK values; a block keeps one bfloat16 scale (its absolute
 maximum over the largest level) and one small integer per value, so one large value costs
 precision only in its own block. A bfloat16 scale costs 0.25 bit per value where float32 cost
 0.5 (int4: 4.25 bits a value, not 4.5); its rounding (at most 2^-8 of the scale) is one more
 error that error feedback carries. Objects written with float32 scales still decode. int4
-packs two values per byte; int2 (each value −1, 0 or +1 times its block's scale: 2.25 bits a
-value) packs four, and is meant for what has error feedback on its side; its scale is chosen for
-the least error rather than as the block's maximum (`ternary`), and decodes the same way. Error
+packs two values per byte, int3 (−3 to 3: 3.25 bits a value) eight per three bytes; int2 (each
+value −1, 0 or +1 times its block's scale: 2.25 bits a value) packs four, and is meant for what
+has error feedback on its side; its scale is chosen for the least error rather than as the
+block's maximum (`ternary`), and decodes the same way. Error
 feedback keeps what the quantizer dropped (the residual) and adds it to the next delta, so over
 many phases the sum of what was sent tracks the sum of the true deltas instead of drifting.
 
@@ -26,7 +27,7 @@ from torch.nn import functional as F
 BLOCK = 64
 SCALE_DTYPE = torch.bfloat16
 SCALE_DTYPES = (torch.bfloat16, torch.float32)  # float32: objects written before scales were bf16
-BITS = {"int8": 8, "int4": 4, "int2": 2}
+BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 FLOAT_WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CODECS = (*FLOAT_WIRE, *BITS)
 PARTS = (".q", ".scale", ".shape")
@@ -36,33 +37,51 @@ _MAX_DIMS = 8
 
 
 def levels(bits: int) -> int:
-    """Largest integer a value is rounded to: 127 for int8, 7 for int4, 1 for int2 (symmetric, no −2^(b−1))."""
+    """Largest integer a value is rounded to: 127 for int8, 7 for int4, 3 for int3, 1 for int2 (symmetric, no −2^(b−1))."""
     return 2 ** (bits - 1) - 1
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """8 // bits values in [−2^(bits−1), 2^(bits−1)) per byte, the first one in the lowest bits."""
-    per_byte = 8 // bits
-    if q.numel() % per_byte:
-        raise ValueError(f"int{bits} packing needs a multiple of {per_byte} values, got {q.numel()}")
-    fields = (q.reshape(-1, per_byte).to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
-    out = fields[:, 0].clone()
-    for i in range(1, per_byte):
-        out |= fields[:, i] << (i * bits)
-    return out
+    """Values in [−2^(bits−1), 2^(bits−1)) packed tight, the first one in the lowest bits: int4 and
+    int2 fill one byte with 2 and 4 values, int3 fills three bytes with 8 (a 24-bit word each)."""
+    group, width = word_shape(bits)
+    if q.numel() % group:
+        raise ValueError(f"int{bits} packing needs a multiple of {group} values, got {q.numel()}")
+    fields = (q.reshape(-1, group).to(torch.int16) + 2 ** (bits - 1)).to(word_dtype(width))
+    words = fields[:, 0].clone()
+    for i in range(1, group):
+        words |= fields[:, i] << (i * bits)
+    if width == 1:
+        return words
+    return torch.stack([(words >> (8 * j)) & 255 for j in range(width)], dim=1).to(torch.uint8).reshape(-1)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    per_byte, mask = 8 // bits, 2**bits - 1
-    out = torch.empty(packed.numel(), per_byte, dtype=torch.int8)
-    for i in range(per_byte):
-        out[:, i] = ((packed >> (i * bits)) & mask).to(torch.int8) - 2 ** (bits - 1)
+    group, width = word_shape(bits)
+    rows = packed.reshape(-1, width)
+    words = rows[:, 0].to(word_dtype(width))
+    for j in range(1, width):
+        words |= rows[:, j].to(torch.int32) << (8 * j)
+    out = torch.empty(words.numel(), group, dtype=torch.int8)
+    for i in range(group):
+        out[:, i] = ((words >> (i * bits)) & (2**bits - 1)).to(torch.int8) - 2 ** (bits - 1)
     return out.reshape(-1)
 
 
+def word_shape(bits: int) -> tuple[int, int]:
+    """(values, bytes) of the smallest whole-byte word of `bits`-bit values: (2, 1) for int4, (8, 3) for int3."""
+    group = 8 // math.gcd(bits, 8)
+    return group, bits * group // 8
+
+
+def word_dtype(width: int) -> torch.dtype:
+    return torch.uint8 if width == 1 else torch.int32
+
+
 def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integers, per-block scales) of a float tensor; int4 and int2 integers come packed in uint8.
-    int8 and int4 scale a block by its largest magnitude, so no value is clipped; int2 by `ternary`."""
+    """(integers, per-block scales) of a float tensor; int4, int3 and int2 integers come packed in
+    uint8. int8, int4 and int3 scale a block by its largest magnitude, so no value is clipped; int2
+    by `ternary`."""
     flat = t.detach().to("cpu", torch.float32).reshape(-1)
     blocks = F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
     if bits == 2:

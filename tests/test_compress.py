@@ -1,4 +1,4 @@
-"""int8/int4/int2 deltas: error bounds, exact packing, error feedback without drift, hostile parts refused."""
+"""int8/int4/int3/int2 deltas: error bounds, exact packing, error feedback without drift, hostile parts refused."""
 
 import pytest
 import torch
@@ -33,13 +33,13 @@ def delta(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3"])
 def test_round_trip_error_is_within_half_a_level_of_each_blocks_scale(codec):
     src = delta()
     out, meta = decode(encode(src, META, codec))
     assert meta["codec"] == codec and set(out) == set(src)
     assert torch.equal(out["step"], src["step"])
-    bits = {"int8": 8, "int4": 4}[codec]
+    bits = {"int8": 8, "int4": 4, "int3": 3}[codec]
     for name, t in src.items():
         if not t.is_floating_point():
             continue
@@ -72,13 +72,13 @@ def test_int2_sends_each_blocks_large_values_as_their_mean_and_loses_under_a_fif
         dequantize(*quantize(broken, 2), [100], 2)
 
 
-@pytest.mark.parametrize("codec,ratio", [("int8", 3.5), ("int4", 6.5), ("int2", 12.5)])
+@pytest.mark.parametrize("codec,ratio", [("int8", 3.5), ("int4", 6.5), ("int3", 8.5), ("int2", 12.5)])
 def test_quantized_deltas_are_that_much_smaller_than_fp32(codec, ratio):
     src = {"w": torch.randn(512, 512)}
     assert len(encode(src, META, "fp32")) / len(encode(src, META, codec)) > ratio
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 def test_packing_is_exact_for_every_value_and_position(bits):
     low = -(2 ** (bits - 1))
     values = torch.arange(low, -low, dtype=torch.int8).repeat_interleave(16)
@@ -91,8 +91,13 @@ def test_packing_is_exact_for_every_value_and_position(bits):
 def test_packing_puts_the_first_value_in_the_lowest_bits():
     assert pack(torch.tensor([-8, 7], dtype=torch.int8), 4).item() == 0xF0
     assert pack(torch.tensor([-2, -1, 0, 1], dtype=torch.int8), 2).item() == 0b11_10_01_00
+    # int3: eight values in a 24-bit word, its low byte first.
+    word = sum((v + 4) << (3 * i) for i, v in enumerate(range(-4, 4)))
+    assert pack(torch.arange(-4, 4, dtype=torch.int8), 3).tolist() == [word & 255, word >> 8 & 255, word >> 16]
     with pytest.raises(ValueError, match="multiple of 4"):
         pack(torch.zeros(6, dtype=torch.int8), 2)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack(torch.zeros(12, dtype=torch.int8), 3)
 
 
 def test_quantize_uses_the_full_range_and_rounds_symmetrically():
@@ -108,7 +113,7 @@ def test_objects_with_float32_scales_still_decode():
     assert torch.equal(dequantize(q, scale.float(), [3 * BLOCK], 8), dequantize(q, scale, [3 * BLOCK], 8))
 
 
-@pytest.mark.parametrize("codec,bits", [("int8", 8), ("int4", 4), ("int2", 2)])
+@pytest.mark.parametrize("codec,bits", [("int8", 8), ("int4", 4), ("int3", 3), ("int2", 2)])
 def test_error_feedback_keeps_the_sum_of_sent_updates_on_the_sum_of_true_deltas(codec, bits):
     g = torch.Generator().manual_seed(2)
     bias = torch.randn(64, 64, generator=g) * 1e-4  # a consistent direction, as in training
@@ -161,7 +166,7 @@ def hostile(codec: str, **changes) -> bytes:
 n_blocks = -(-130 // BLOCK)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2"])
 @pytest.mark.parametrize(
     "changes,reason",
     [
@@ -190,8 +195,8 @@ def test_orphan_parts_and_stray_floats_are_refused():
         decode(encode_wire({**wire, "v.scale": torch.ones(1)}, META, "int8"))
     with pytest.raises(CodecError, match="float tensor outside"):
         decode(encode_wire({**wire, "raw": torch.ones(2)}, META, "int8"))
-    with pytest.raises(CodecError, match="unknown codec 'int3'"):
-        decode(encode_wire(wire, META, "int8").replace(b'"codec":"int8"', b'"codec":"int3"'))
+    with pytest.raises(CodecError, match="unknown codec 'int5'"):
+        decode(encode_wire(wire, META, "int8").replace(b'"codec":"int8"', b'"codec":"int5"'))
 
 
 def test_dequantize_refuses_q_of_the_wrong_codec():
