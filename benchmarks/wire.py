@@ -111,7 +111,7 @@ def run(quick: bool) -> Result:
                                f"reached at round {f4['round']} with int4 ({f4['applied_tokens']:,} tokens merged) and "
                                f"{f32['round']} with fp32 ({f32['applied_tokens']:,}): two runs whose rounds and merged "
                                "tokens move with their timing; `python -m benchmarks --only codec` measures the codecs "
-                               "alone on one replayed schedule"))
+                               "alone on three replayed schedules"))
     return res
 
 
