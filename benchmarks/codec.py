@@ -5,7 +5,7 @@ int3 updates), and with int4 deltas and int2 updates, at the wire part's budget 
 The wire part compares two pipeline runs whose rounds close on whatever has arrived, so their
 round counts differ with timing and the loss ratio swings by more than the 0.5% bar; here the
 learners, data and schedule are the same, and only the codecs differ. One schedule is not
-enough: the same codecs cost 0.0% on the default one and 0.8% when rounds reach the learners
+enough: int2 updates cost 0.1% on the default one and 0.8% when rounds reach the learners
 sooner, so each pair runs on three. An ablation beside the suite, like `schedule`:
 `python -m benchmarks --only codec`.
 """
@@ -59,9 +59,8 @@ def run(quick: bool) -> Result:
             res.rows.append(at_most(f"codec replay, H={h}, {what}: {codecs[0]} deltas, {codecs[1]} updates / "
                                     f"{REFERENCE[0]} deltas, {REFERENCE[1]} updates ({shows})",
                                     losses[codecs] / losses[REFERENCE], INT4_LOSS_BAR,
-                                    "what the update codec drops each round (error feedback sends it the round "
-                                    "after): the learners train from each round as published, and at 2.25 bits a "
-                                    "value that is off by about 0.43 of the step's size"))
+                                    "what the update codec drops each round: the learners train from each round as "
+                                    "published, off by that until error feedback sends it a round later"))
     return res
 
 

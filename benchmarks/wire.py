@@ -92,7 +92,7 @@ def run(quick: bool) -> Result:
     fp32 = decoupled_spec(quick, h10, steps=b.steps)
     # "With the int4 codec": int4 deltas up; the updates down in int3, with error feedback on the
     # synchronizer's side (fp32 deltas go with the default update codec). int2 updates cost about
-    # 1% of held-out loss on most replayed schedules, int3 none (`--only codec`).
+    # 1% of held-out loss on two of the three replayed schedules, int3 none (`--only codec`).
     int4 = replace(fp32, name=fp32.name + INT4_TAG, codec="int4", update_codec=INT4_UPDATES)
     runs = [("fp32", fp32, 15), ("int4", int4, 100)]
     if h50 != h10:  # --quick has one H
