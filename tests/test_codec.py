@@ -80,8 +80,8 @@ def test_bf16_round_trip_within_bf16_tolerance():
 
 
 def test_unknown_codec_is_refused():
-    with pytest.raises(ValueError, match="unknown codec 'int3'"):
-        encode(tensors(), META, codec="int3")
+    with pytest.raises(ValueError, match="unknown codec 'int5'"):
+        encode(tensors(), META, codec="int5")
 
 
 def test_state_round_trip_is_exact_in_every_dtype():
