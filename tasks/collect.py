@@ -204,13 +204,17 @@ def collect(state: RoundState) -> Collected:
         look()
         looks += 1
         arrivals = [a for a in seen.values() if isinstance(a, Arrival)]
-        # Only deltas from the parent round count towards the quorum; staler ones still merge.
+        # Only deltas from the parent round count towards the quorum; staler ones still merge,
+        # and move their learner's expected next arrival on.
         fresh: dict[str, float] = {}
-        for a in arrivals:
+        current = dict(history)
+        for a in sorted(arrivals, key=lambda a: a.finished_at):
             if a.base_round == state.round - 1:
                 fresh[a.learner] = min(fresh.get(a.learner, a.seen_at), a.seen_at)
+            if a.learner in current:
+                current[a.learner] = current[a.learner].seen(a.finished_at, a.seconds)
         now = time.time()
-        decision = decide(policy, started, now, fresh, learners, history)
+        decision = decide(policy, started, now, fresh, learners, current)
         if decision.close:
             if looks > 1:  # the first look listed everything already
                 look(last=True)

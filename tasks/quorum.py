@@ -5,7 +5,7 @@ control of waiting (it can sleep until `recheck_at` or until the next delta land
 """
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,17 @@ class LearnerHistory:
     phase_seconds: list[float]  # recent phase durations, newest last
     last_arrival: float | None  # clock time of its last delta
     cycle_s: float | None = None  # time between its deltas' arrivals, when known
+    lag_s: float = 0.0  # from its finish time to the synchronizer seeing the delta, at best
+
+    def seen(self, finished_at: float, seconds: float) -> "LearnerHistory":
+        """This history once the round has seen a delta the learner finished at `finished_at`
+        (its own clock) after a phase of `seconds`. A delta that missed the last round arrives
+        in this one before the learner's fresh delta does; counted from the older, merged deltas
+        alone, the fresh one would look due already, and the grace window would never wait for it."""
+        at = finished_at + self.lag_s
+        if self.last_arrival is not None and at <= self.last_arrival:
+            return self
+        return replace(self, last_arrival=at, phase_seconds=[*self.phase_seconds, seconds])
 
     def expected_arrival(self) -> float | None:
         """The last arrival plus the time between arrivals; without that, plus the mean phase

@@ -96,9 +96,10 @@ class RoundState:
         out = {}
         for learner, _, _ in self.config.learners():
             recent = sorted(merged.get(learner, []), key=lambda c: c.phase)[-HISTORY:]
+            lag = seen_lag(recent)
             out[learner] = LearnerHistory(
                 phase_seconds=[c.seconds for c in recent],
-                last_arrival=recent[-1].finished_at + seen_lag(recent) if recent else None, cycle_s=cycle(recent),
+                last_arrival=recent[-1].finished_at + lag if recent else None, cycle_s=cycle(recent), lag_s=lag,
             )
         return out
 

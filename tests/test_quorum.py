@@ -160,3 +160,29 @@ def test_a_learners_cycle_and_lag_come_from_its_merged_deltas():
     assert cycle(recent[:1]) is None
     # Manifests from before the synchronizer recorded when it saw a delta: the learner's clock alone.
     assert seen_lag([merged(0, 100.0, None)]) == 0.0
+
+
+def test_a_delta_seen_in_this_round_moves_its_learners_expected_arrival_on():
+    h = LearnerHistory([3.0, 3.2], 1010.0, cycle_s=3.5, lag_s=0.2)
+    assert h.expected_arrival() == 1013.5
+    later = h.seen(1013.6, 3.4)
+    assert later.last_arrival == pytest.approx(1013.8) and later.phase_seconds == [3.0, 3.2, 3.4]
+    assert later.expected_arrival() == pytest.approx(1017.3)
+    # A delta no newer than the last arrival known changes nothing.
+    assert h.seen(1009.0, 3.1) is h
+    # A learner with nothing merged yet becomes expected after its first delta.
+    assert LearnerHistory([], None).seen(1005.0, 4.0).expected_arrival() == 1009.0
+
+
+def test_a_learner_whose_last_delta_missed_a_round_is_waited_for_in_the_next():
+    # c's previous delta landed at 1100, after the round before closed: the manifests merged c's
+    # delta of 1096.5 last, so they expect it at 1100, which has passed. Seen in this round, the
+    # late delta makes its fresh one due at 1103.5, inside the grace window of a and b's quorum.
+    policy = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0, grace_fraction=0.5,
+                          listing_s=0.5)
+    merged = {"c": LearnerHistory([3.5, 3.5], 1096.5, cycle_s=3.5)}
+    fresh = {"a": 1102.5, "b": 1103.0}
+    assert at(1103.0, fresh, merged, policy).reason == "quorum+grace"
+    seen = {"c": merged["c"].seen(1100.0, 3.5)}
+    assert at(1103.0, fresh, seen, policy) == Decision(close=False, reason=None, recheck_at=1104.0, waiting_for=("c",))
+    assert at(1104.0, fresh, seen, policy).reason == "quorum+grace"
