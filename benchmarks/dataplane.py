@@ -6,7 +6,9 @@ validates the K deltas, two at a time as collect does; tasks.merge_step.apply_me
 takes the outer step and encodes the update; tasks.publish.write_objects writes the model, the
 update and the outer state exactly as the publish task does. It runs in a child process per K,
 so its peak resident memory (VmHWM) is the synchronizer's alone; the same child then moves the
-same bytes with plain boto3 calls for the throughput baseline.
+same bytes with plain boto3 calls for the throughput baseline. Each step's CPU seconds, user and
+kernel, are reported for the child and for moto's server: on a VM whose new pages are slow to
+find, the kernel's share is where the copies into fresh memory show.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -74,7 +77,22 @@ def vm(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def measure(k: int, refs: dict, s3_url: str) -> dict:
+def cpu_s(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far, user and kernel, of this process (all its threads) and of the server."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"user": me.ru_utime, "sys": me.ru_stime,
+            "server_user": int(fields[11]) / tick, "server_sys": int(fields[12]) / tick}
+
+
+def spent(marks: list[tuple[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """CPU seconds of each step between consecutive marks, by whose and which kind."""
+    return {name: {kind: round(now[kind] - before[kind], 2) for kind in now}
+            for (_, before), (name, now) in zip(marks, marks[1:])}
+
+
+def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
     """In the child: the synchronizer's critical path, then the same bytes through boto3."""
     from infra.s3_server import client
     from tasks.collect import Arrival, inspect_all
@@ -91,31 +109,39 @@ def measure(k: int, refs: dict, s3_url: str) -> dict:
     momentum = get_tensors(stores.global_, ObjectRef(**refs["outer"]))
     state = RoundState(config(k), run, 1, stores, [], model, momentum)
     t1 = time.perf_counter()
+    ours = [("start", cpu_s(server_pid))]
     arrivals = inspect_all(state, [tuple(d) for d in refs["deltas"]])
     bad = [a.reason for a in arrivals if not isinstance(a, Arrival)]
     if bad:
         raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
     t_read = time.perf_counter()
+    ours.append(("read_and_validate", cpu_s(server_pid)))
     model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
     t_merge = time.perf_counter()
+    ours.append(("merge", cpu_s(server_pid)))
     written = write_objects(state, Merged(model, model_object, update, outer, [], []))
     state.drop_spool()
     t2 = time.perf_counter()
+    ours.append(("write", cpu_s(server_pid)))
     peak = vm("VmHWM")
     bodies = [stores.global_.get(w.key) for w in written]
     s3 = client(s3_url)
     t3 = time.perf_counter()
+    raw = [("start", cpu_s(server_pid))]
     for region, key, _ in refs["deltas"]:
         s3.get_object(Bucket=f"islands-{region}", Key=key)["Body"].read()
     t_raw_read = time.perf_counter()
+    raw.append(("raw_read", cpu_s(server_pid)))
     for i, body in enumerate(bodies):
         s3.put_object(Bucket="islands-global", Key=f"raw/{run}/{i}", Body=body)
     t4 = time.perf_counter()
+    raw.append(("raw_write", cpu_s(server_pid)))
     moved = sum(size for _, _, size in refs["deltas"]) + sum(w.bytes for w in written)
     return {"k": k, "bytes_moved": moved, "load_s": t1 - t0, "critical_path_s": t2 - t1, "raw_boto3_s": t4 - t3,
             "read_and_validate_s": t_read - t1, "merge_s": t_merge - t_read, "write_s": t2 - t_merge,
             "raw_read_s": t_raw_read - t3, "raw_write_s": t4 - t_raw_read,
-            "peak_rss_over_baseline": peak - baseline, "baseline_rss": baseline}
+            "peak_rss_over_baseline": peak - baseline, "baseline_rss": baseline,
+            "cpu_s": spent(ours) | spent(raw)}
 
 
 def run(quick: bool) -> Result:
@@ -138,7 +164,8 @@ def run(quick: bool) -> Result:
             fsspec.get_filesystem_class("s3").clear_instance_cache()
             for k in ks:
                 refs = write_inputs(cfg, k, Stores(STORE, REGIONS))
-                out = subprocess.run([sys.executable, "-m", "benchmarks.dataplane", "--child", str(k), "--s3", url],
+                out = subprocess.run([sys.executable, "-m", "benchmarks.dataplane", "--child", str(k), "--s3", url,
+                                      "--server-pid", str(server.pid)],
                                      input=json.dumps(refs), env=env, capture_output=True, text=True)
                 if out.returncode != 0:
                     raise RuntimeError(f"dataplane child K={k} failed:\n{out.stderr[-3000:]}")
@@ -149,15 +176,19 @@ def run(quick: bool) -> Result:
             os.environ.update(before)  # later parts talk to their own endpoint again
             fsspec.get_filesystem_class("s3").clear_instance_cache()
     k_big = res.raw[f"k{ks[-1]}"]
+    cpu = k_big["cpu_s"]
     res.rows.append(at_least(f"dataplane: synchronizer / raw boto3 throughput, K={ks[-1]}",
                              k_big["raw_boto3_s"] / k_big["critical_path_s"], 0.7,
                              f"of its {k_big['critical_path_s']:.1f} s, reading and validating the deltas took "
                              f"{k_big['read_and_validate_s']:.1f} s against boto3's {k_big['raw_read_s']:.1f} s "
                              "(each delta is spooled to local disk, into new page cache, hashed twice and its norms "
-                             "taken, two deltas at a time), the float64 merge and the hashes of the three objects it makes "
-                             f"{k_big['merge_s']:.1f} s, which boto3 does not do, and writing the model, update "
-                             f"and outer state {k_big['write_s']:.1f} s against boto3's {k_big['raw_write_s']:.1f} s; "
-                             "all on the 2 cores moto's server also uses"))
+                             f"taken, two deltas at a time; {cpu['read_and_validate']['sys']:.1f} s of kernel CPU in "
+                             f"the synchronizer against {cpu['raw_read']['sys']:.1f} s in boto3's reads), the float64 "
+                             f"merge and the hashes of the three objects it makes {k_big['merge_s']:.1f} s, which boto3 "
+                             f"does not do, and writing the model, update and outer state {k_big['write_s']:.1f} s "
+                             f"against boto3's {k_big['raw_write_s']:.1f} s (moto's server spent "
+                             f"{cpu['write']['server_sys']:.1f} s and {cpu['raw_write']['server_sys']:.1f} s of kernel "
+                             "CPU storing them); all on the 2 cores moto's server also uses"))
     for k in ks:
         m = res.raw[f"k{k}"]["peak_rss_over_baseline"] / model_bytes
         res.rows.append(at_most(f"dataplane: synchronizer peak memory / model bytes, K={k}", m, 3.0,
@@ -171,8 +202,9 @@ def child() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", type=int, required=True)
     p.add_argument("--s3", required=True)
+    p.add_argument("--server-pid", type=int, required=True)
     args = p.parse_args()
-    print(json.dumps(measure(args.child, json.loads(sys.stdin.read()), args.s3)))
+    print(json.dumps(measure(args.child, json.loads(sys.stdin.read()), args.s3, args.server_pid)))
 
 
 if __name__ == "__main__":

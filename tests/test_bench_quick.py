@@ -37,6 +37,20 @@ def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
     assert (tmp_path / "dataplane-quick.md").read_text().startswith("| benchmark |")  # written as it finished
 
 
+def test_dataplane_splits_each_steps_cpu_by_process_and_kind():
+    import os
+
+    from benchmarks.dataplane import cpu_s, spent
+
+    before = cpu_s(os.getpid())  # this process stands in for the server too
+    sum(i * i for i in range(3_000_000))
+    after = cpu_s(os.getpid())
+    steps = spent([("start", before), ("work", after)])
+    assert list(steps) == ["work"]
+    assert set(steps["work"]) == {"user", "sys", "server_user", "server_sys"}
+    assert steps["work"]["user"] > 0 and steps["work"]["server_user"] > 0
+
+
 def test_a_part_that_fails_keeps_the_time_it_spent(tmp_path, monkeypatch):
     import time
 
