@@ -33,6 +33,7 @@ BENCHMARKS = {
     "quality_robust": quality.run_robust,
     "schedule": schedule.run,
     "codec": codec.run,
+    "codec_live": codec.run_live,
     "scaling": scaling.run,
     "learner_start": learner_start.run,
     "prefect_start": prefect_start.run,

@@ -16,17 +16,19 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks import heldout
-from benchmarks.quality import hs
+from benchmarks import heldout, pipeline
+from benchmarks.quality import at_budget, hs
 from benchmarks.replay import Schedule, pipeline_defaults, replay
 from benchmarks.report import Result, at_most, standalone
-from benchmarks.wire import INT4_LOSS_BAR, INT4_UPDATES, wire_budget
+from benchmarks.retrace import retrace, trace
+from benchmarks.wire import INT4_LOSS_BAR, INT4_UPDATES, loss_pair, wire_budget
 from flows.config import RunConfig
 from tasks.merge_step import merge_rule
 
 REFERENCE = (RunConfig().codec, RunConfig().update_codec)  # the pipeline's defaults
+INT4_CODECS = ("int4", INT4_UPDATES)  # the wire part's int4 run
 VARIANTS = {  # (delta codec, update codec): what each is there to show
-    ("int4", INT4_UPDATES): "the wire part's int4 run",
+    INT4_CODECS: "the wire part's int4 run",
     ("int4", "int2"): "int2 updates, at 2.25 bits a value",
 }
 
@@ -61,6 +63,40 @@ def run(quick: bool) -> Result:
                                     losses[codecs] / losses[REFERENCE], INT4_LOSS_BAR,
                                     "what the update codec drops each round: the learners train from each round as "
                                     "published, off by that until error feedback sends it a round later"))
+    return res
+
+
+def run_live(quick: bool) -> Result:
+    """The wire part's two H=10 pipeline runs, each run's own schedule (benchmarks.retrace)
+    replayed with both wires: what the codecs cost on schedules the pipeline really ran, and how
+    far the two runs' schedules alone move the loss. One thread, as each of the pipeline's
+    learners has, so a run's own codecs rebuild its published model bit for bit (checked).
+    `python -m benchmarks --only codec_live`."""
+    torch.set_num_threads(1)
+    b = wire_budget(quick)
+    runs = dict(zip((REFERENCE, INT4_CODECS), loss_pair(quick)))
+    res = Result("codec_live", settings={"budget": b.__dict__, "runs": {"%s+%s" % k: s.name for k, s in runs.items()}})
+    losses = {}
+    for schedule_of, spec in runs.items():
+        live, facts = at_budget(spec, b.tokens)
+        run = pipeline.run(spec)
+        t = trace(run, facts["round"])
+        thetas = {codecs: retrace(t, b, *codecs) for codecs in runs}
+        published = run.model(facts["round"])
+        rebuilt = all(torch.equal(thetas[schedule_of][n], published[n]) for n in published)
+        losses.update({(schedule_of, codecs): heldout.loss(theta) for codecs, theta in thetas.items()})
+        res.raw["%s deltas, %s updates: the run" % schedule_of] = {"live_loss": live, **facts}
+        res.raw["%s deltas, %s updates: its schedule replayed" % schedule_of] = {
+            "rebuilds the published model bit for bit": rebuilt,
+            **{"%s deltas, %s updates" % codecs: losses[schedule_of, codecs] for codecs in runs}}
+    for schedule_of in runs:
+        res.rows.append(at_most(
+            "codec on a live schedule, H=%d, the %s run's: %s deltas, %s updates / %s deltas, %s updates" % (
+                hs(quick)[0], schedule_of[0], *INT4_CODECS, *REFERENCE),
+            losses[schedule_of, INT4_CODECS] / losses[schedule_of, REFERENCE], INT4_LOSS_BAR,
+            "what the codecs drop, on the schedule this run's timing gave it"))
+    res.raw["schedules alone, fp32 wire: the int4 run's / the fp32 run's"] = (
+        losses[INT4_CODECS, REFERENCE] / losses[REFERENCE, REFERENCE])
     return res
 
 

@@ -84,16 +84,21 @@ def wire_budget(quick: bool) -> Budget:
     return full if quick else Budget(learners=full.learners, steps=full.steps // 3, warmup=full.warmup)
 
 
+def loss_pair(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec]:
+    """The H=10 runs whose held-out losses are compared: fp32 deltas (with the default update
+    codec), and "with the int4 codec": int4 deltas up, the updates down in int3, with error
+    feedback on the synchronizer's side. int2 updates cost about 1% of held-out loss on two of the
+    three replayed schedules, int3 none (`--only codec`)."""
+    fp32 = decoupled_spec(quick, hs(quick)[0], steps=wire_budget(quick).steps)
+    return fp32, replace(fp32, name=fp32.name + INT4_TAG, codec="int4", update_codec=INT4_UPDATES)
+
+
 def run(quick: bool) -> Result:
     b = wire_budget(quick)
     h10, h50 = hs(quick)[0], hs(quick)[-1]
     res = Result("wire", settings={"budget": b.__dict__, "model": heldout.PRESET, "ring": "2(K-1)/K x fp32 gradient, "
                                    "sent and as many received, per worker per step"})
-    fp32 = decoupled_spec(quick, h10, steps=b.steps)
-    # "With the int4 codec": int4 deltas up; the updates down in int3, with error feedback on the
-    # synchronizer's side (fp32 deltas go with the default update codec). int2 updates cost about
-    # 1% of held-out loss on two of the three replayed schedules, int3 none (`--only codec`).
-    int4 = replace(fp32, name=fp32.name + INT4_TAG, codec="int4", update_codec=INT4_UPDATES)
+    fp32, int4 = loss_pair(quick)
     runs = [("fp32", fp32, 15), ("int4", int4, 100)]
     if h50 != h10:  # --quick has one H
         long = decoupled_spec(quick, h50, steps=b.steps)

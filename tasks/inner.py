@@ -12,7 +12,7 @@ training on the whole batch would.
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,7 @@ class PhaseResult:
     loss: float  # mean training loss over the phase; nan when no step ran
     seconds: float
     losses: list[float]
+    rebased_at: list[int] = field(default_factory=list)  # steps done before each rebase
 
 
 class InnerTrainer:
@@ -164,6 +165,7 @@ class InnerTrainer:
             raise ValueError(f"min_step_s must be seconds >= 0, got {min_step_s}")
         self.begin(base)
         losses: list[float] = []
+        rebased_at: list[int] = []
         started = self.clock()
         for _ in range(steps):
             if should_stop is not None and should_stop():
@@ -171,6 +173,7 @@ class InnerTrainer:
             if rebase is not None and (newer := rebase()) is not None:
                 self.shift(base, newer)
                 base = newer
+                rebased_at.append(len(losses))
             step_started = self.clock()
             loss = self.train_step()
             step_ended = self.clock()
@@ -189,6 +192,7 @@ class InnerTrainer:
             loss=sum(losses) / len(losses) if losses else math.nan,
             seconds=seconds,
             losses=losses,
+            rebased_at=rebased_at,
         )
 
     def catch_up(self, tokens_applied: int, learners: int) -> None:

@@ -205,15 +205,16 @@ class LearnerSession:
         self.unmerged = {q: d for q, d in self.unmerged.items() if q not in held[1].consumed}
         return carried(held[1].params, list(self.unmerged.values()))
 
-    def rebase_offer(self, current: list[int]):
-        """For run_phase: a round newer than current[0] (and still part of the run), once."""
+    def rebase_offer(self, rounds: list[int]):
+        """For run_phase: a round newer than rounds[-1] (and still part of the run), once; each
+        round offered is appended to `rounds`."""
         if not self.config.rebase:
             return None
 
         def offer() -> dict[str, torch.Tensor] | None:
             held = self.rounds.held()
-            if current[0] < held[0] < self.config.rounds:
-                current[0] = held[0]
+            if rounds[-1] < held[0] < self.config.rounds:
+                rounds.append(held[0])
                 return self.reference(held)
             return None
 
@@ -255,16 +256,16 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     cfg = session.config
     held = session.rounds.held()
     start_round = held[0]
-    current = [start_round]
+    moves = [start_round]  # the rounds the phase trained on, in turn
     if cfg.lr_catch_up:
         session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
     steps = phase_steps(cfg.inner_steps, session.rate, list(held[1].rates.values())) if cfg.paced else cfg.inner_steps
     result = session.trainer.run_phase(
         session.reference(held), steps, slowdown=cfg.slowdown(session.region),
         min_step_s=cfg.min_step_s.get(session.region, 0.0), should_stop=session.must_stop,
-        rebase=session.rebase_offer(current),
+        rebase=session.rebase_offer(moves),
     )
-    base_round = session.last_base = current[0]
+    base_round = session.last_base = moves[-1]
     if result.seconds > 0:
         session.rate = result.tokens / result.seconds
     if result.steps == 0:
@@ -273,7 +274,8 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     store = session.regional_store
     meta = {
         "run": session.run, "learner": session.learner, "region": session.region, "phase": phase,
-        "base_round": base_round, "start_round": start_round, "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
+        "base_round": base_round, "start_round": start_round,
+        "rebases": ",".join(f"{step}:{r}" for step, r in zip(result.rebased_at, moves[1:])), "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
         "seconds": f"{result.seconds:.3f}", "finished_at": f"{time.time():.3f}",
         **session.io_totals(),
     }

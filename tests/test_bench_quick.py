@@ -37,6 +37,16 @@ def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
     assert (tmp_path / "dataplane-quick.md").read_text().startswith("| benchmark |")  # written as it finished
 
 
+def test_a_live_runs_schedule_replayed_with_its_own_codecs_rebuilds_its_model_bit_for_bit(tmp_path):
+    """codec_live replays each of two pipeline runs from its objects alone (benchmarks.retrace):
+    with the run's own codecs, the replay must land on the published model exactly."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "codec_live", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('"rebuilds the published model bit for bit": true') == 2, proc.stdout[-3000:]
+    assert proc.stdout.count("| codec on a live schedule, H=") == 2
+
+
 def test_dataplane_splits_each_steps_cpu_by_process_and_kind():
     import os
 

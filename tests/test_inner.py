@@ -117,7 +117,7 @@ def test_rebase_carries_the_progress_so_far_onto_the_newer_model():
         return newer if rebased.step == 2 else None
 
     result = rebased.run_phase(base, steps=3, rebase=rebase)
-    assert offered == [0, 1, 2] and result.steps == 3
+    assert offered == [0, 1, 2] and result.steps == 3 and result.rebased_at == [2]
     # The same by hand: two steps from base, shift by newer − base, one more step.
     by_hand.run_phase(base, steps=2)
     shifted = {k: v.clone() for k, v in base.items()}

@@ -114,8 +114,13 @@ def test_the_slow_region_never_holds_a_round_back_and_is_merged_late(finished_ru
     south = [c for m in chain for c in m["contributions"] if c["learner"] == "south-0"]
     assert south, "the slow region's deltas must be merged in a later round"
     # A slow delta is either stale (and says so) or was rebased mid-phase onto a newer round.
-    starts = {c["key"]: int(delta_metadata(s3, c)["start_round"]) for c in south}
+    metas = {c["key"]: delta_metadata(s3, c) for c in south}
+    starts = {key: int(m["start_round"]) for key, m in metas.items()}
     assert any(c["staleness"] >= 1 or starts[c["key"]] < c["base_round"] for c in south), (south, starts)
+    for c in south:  # the rounds it moved onto mid-phase, after how many steps: the last is its base
+        moves = [tuple(map(int, m.split(":"))) for m in metas[c["key"]]["rebases"].split(",") if m]
+        assert [r for _, r in moves][-1:] == ([c["base_round"]] if starts[c["key"]] < c["base_round"] else [])
+        assert all(0 <= step < int(metas[c["key"]]["inner_steps"]) for step, _ in moves)
     assert all(c["weight"] > 0 for c in south)
     # Not applied twice: every delta key appears in at most one manifest.
     used = [c["key"] for m in chain for c in m["contributions"]] + [e["key"] for m in chain for e in m["excluded"]]
