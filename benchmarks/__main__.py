@@ -3,6 +3,8 @@
 The suite is the measurements (SUITE); the ablations run only when named: `schedule` (why the
 pipeline's learner behaviours close the gap to synchronous DiLoCo, `--only schedule`), `codec`
 (what the int4 codecs alone cost in held-out loss, on three replayed schedules, `--only codec`),
+`codec_live` (the same on the wire part's two pipeline runs' own schedules, each rebuilt from its
+objects, `--only codec_live`),
 `scaling` (whether the loss follows the learners' compute, the faults bar's premise, `--only scaling`),
 `learner_start` (a learner process from a fresh interpreter against a fork, `--only learner_start`),
 `prefect_start` (the Prefect server on a fresh database against the migrated template,
