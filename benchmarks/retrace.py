@@ -5,9 +5,9 @@ phase started, move with the runs' timing, so a loss ratio between two runs mixe
 with their schedules' luck. A `Trace` is one run's schedule as its objects record it: every
 phase's start round, steps, and the rounds it moved onto mid-phase after how many steps (the
 delta's metadata), every round's merged phases and weights, the phases it consumed and the tokens
-applied by it (the manifests). `retrace` trains the
-same learners through that schedule with any delta and update codec, so a run's schedule can be
-held fixed while the codecs change, and two runs' schedules compared under one codec.
+applied by it (the manifests). `retrace` trains the same learners through that schedule with any
+delta and update codec, so a run's schedule can be held fixed while the codecs change, and two
+runs' schedules compared under one codec.
 
 The learners train with their sampler seeds, their error feedback, their unmerged deltas carried
 and their lr catch-up, as the pipeline's learners do; at the pipeline's one thread per learner
