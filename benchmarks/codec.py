@@ -7,7 +7,8 @@ round counts differ with timing and the loss ratio swings by more than the 0.5% 
 learners, data and schedule are the same, and only the codecs differ. One schedule is not
 enough: int2 updates cost 0.1% on the default one and 0.8% when rounds reach the learners
 sooner, so each pair runs on three. An ablation beside the suite, like `schedule`:
-`python -m benchmarks --only codec`.
+`python -m benchmarks --only codec`. `run_live` (`--only codec_live`) holds the pipeline's own
+schedules fixed instead: the wire part's two runs, each replayed on its own (benchmarks.retrace).
 """
 
 from __future__ import annotations
