@@ -205,16 +205,16 @@ class LearnerSession:
         self.unmerged = {q: d for q, d in self.unmerged.items() if q not in held[1].consumed}
         return carried(held[1].params, list(self.unmerged.values()))
 
-    def rebase_offer(self, rounds: list[int]):
-        """For run_phase: a round newer than rounds[-1] (and still part of the run), once; each
-        round offered is appended to `rounds`."""
+    def rebase_offer(self, moves: list[int]):
+        """For run_phase: a round newer than moves[-1] (and still part of the run), once; each
+        round offered is appended to `moves`."""
         if not self.config.rebase:
             return None
 
         def offer() -> dict[str, torch.Tensor] | None:
             held = self.rounds.held()
-            if rounds[-1] < held[0] < self.config.rounds:
-                rounds.append(held[0])
+            if moves[-1] < held[0] < self.config.rounds:
+                moves.append(held[0])
                 return self.reference(held)
             return None
 
