@@ -180,6 +180,7 @@ class Delta:
     finished_at: float
     io_read: int
     io_written: int
+    metadata: dict[str, str]  # all of it, as the learner wrote it
 
 
 def _ts(iso: str) -> float:
@@ -212,7 +213,7 @@ class Run:
                     continue
                 m = object_metadata(store, key)
                 out.append(Delta(m["learner"], key, size, int(m["tokens"]), float(m["seconds"]), float(m["finished_at"]),
-                                 int(m.get("io_read", 0)), int(m.get("io_written", 0))))
+                                 int(m.get("io_read", 0)), int(m.get("io_written", 0)), m))
         return out
 
     def published_at(self, round_: int) -> float:

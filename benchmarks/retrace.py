@@ -24,8 +24,6 @@ from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, learner_trainers
 from benchmarks.pipeline import REGIONS, Run
 from flows.config import RunConfig
-from storage import layout
-from storage.rounds import object_metadata
 from tasks.audit import RULE_FIELDS
 from tasks.compress import compress_with_feedback, from_wire
 from tasks.inner import carried
@@ -62,17 +60,13 @@ def trace(run: Run, until: int) -> Trace:
     """Rounds 1…`until` of a pipeline run, and the phases they merged or consumed."""
     chain = run.chain[: until + 1]
     phases: dict[str, list[Phase]] = {}
-    for region in REGIONS:
-        store = run.stores.region(region)
-        for key in sorted(store.list(layout.deltas_prefix(run.run_id))):
-            if layout.parse_delta_key(key) is None:
-                continue
-            m = object_metadata(store, key)
-            if "rebases" not in m:
-                raise ValueError(f"{key} does not record its rebases (written before deltas did): its run cannot be retraced")
-            rebases = tuple(tuple(map(int, move.split(":"))) for move in m["rebases"].split(",") if move)
-            phases.setdefault(m["learner"], []).append(
-                Phase(m["learner"], int(m["phase"]), int(m["start_round"]), int(m["inner_steps"]), rebases))
+    for d in run.deltas:
+        m = d.metadata
+        if "rebases" not in m:
+            raise ValueError(f"{d.key} does not record its rebases (written before deltas did): its run cannot be retraced")
+        rebases = tuple(tuple(map(int, move.split(":"))) for move in m["rebases"].split(",") if move)
+        phases.setdefault(d.learner, []).append(
+            Phase(d.learner, int(m["phase"]), int(m["start_round"]), int(m["inner_steps"]), rebases))
     rounds = [Round(tuple((c.learner, c.phase, c.weight) for c in m.contributions),
                     frozenset({(c.learner, c.phase) for c in m.contributions}
                               | {(e.learner, e.phase) for e in m.excluded if e.learner is not None}),

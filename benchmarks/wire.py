@@ -16,8 +16,6 @@ from benchmarks import heldout, pipeline
 from benchmarks.inprocess import Budget
 from benchmarks.quality import at_budget, budget, decoupled_spec, hs
 from benchmarks.report import Result, at_least, at_most, standalone
-from storage import layout
-from storage.rounds import object_metadata
 from tasks.model import build_model
 from tasks.wan_plan import ring_bytes
 
@@ -36,7 +34,7 @@ def traffic(run: pipeline.Run) -> dict:
         if d.learner not in newest or d.finished_at > newest[d.learner].finished_at:
             newest[d.learner] = d
     # Counters in a delta cover what its learner did before writing it: add that last delta once.
-    received = sum(global_reads(run, d) for d in newest.values())
+    received = sum(int(d.metadata["io_read_global"]) for d in newest.values())  # bytes from the global bucket
     read_in_region = sum(d.io_read for d in newest.values()) - received
     written = sum(d.io_written + d.bytes for d in newest.values())
     model_bytes = run.chain[-1].model.bytes
@@ -47,12 +45,6 @@ def traffic(run: pipeline.Run) -> dict:
         "received_per_phase_in_checkpoints": received / phases / model_bytes,
         "synchronizer": run.summary.get("bytes", {}).get("synchronizer"),
     }
-
-
-def global_reads(run: pipeline.Run, delta: pipeline.Delta) -> int:
-    """Bytes the delta's learner had read from the global bucket, from the delta's own metadata."""
-    meta = object_metadata(run.stores.region(layout.learner_region(delta.learner)), delta.key)
-    return int(meta["io_read_global"])
 
 
 def ring_per_token(learners: int) -> float:
