@@ -23,6 +23,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
+from storage.spool import punch_holes
 from tasks.compress import CODECS, decode_one, from_wire, to_wire, wire_plan
 
 MAX_HEADER_BYTES = 16 * 2**20
@@ -245,6 +246,10 @@ class TensorFile:
             head = fh.read(8)
             rest = fh.read(min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES)) if len(head) == 8 else b""
         table, self.metadata = read_header(head + rest, object_size=size)
+        body = 8 + len(rest)
+        self._spans = {name: (body + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
+                       for name, info in table.items()}
+        self.released: set[str] = set()
         check_body_sha256(self.metadata, body_sha256)
         self.codec = self.metadata.get("codec", "fp32")
         try:
@@ -261,8 +266,20 @@ class TensorFile:
         """Names of the decoded tensors (the model's names, whatever the codec)."""
         return list(self.plan)
 
+    def release(self, name: str) -> None:
+        """Hand back the local pages of one tensor's stored bytes once they have been read for
+        the last time (the merge does, tensor by tensor), so what is written next reuses them
+        (storage.spool.punch_holes); reading the tensor again is refused."""
+        self.released.add(name)
+        punch_holes(self.path, [self._spans[part] for part in self.plan[name]])
+
+    def _readable(self, name: str) -> None:
+        if name in self.released:
+            raise RuntimeError(f"{self.path}: tensor {name!r} was released and cannot be read again")
+
     def decoded(self, name: str) -> torch.Tensor:
         """One tensor as `decode` gives it: floats as float32, whatever the codec."""
+        self._readable(name)
         with safe_open(self.path, framework="pt") as fh:
             parts = [fh.get_tensor(p) for p in self.plan[name]]
         try:
@@ -272,5 +289,6 @@ class TensorFile:
 
     def stored(self, name: str) -> torch.Tensor:
         """One tensor exactly as stored, in memory of its own (for checkpoints and states)."""
+        self._readable(name)
         with safe_open(self.path, framework="pt") as fh:
             return fh.get_tensor(name).clone()

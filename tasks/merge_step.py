@@ -60,7 +60,9 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
     memory. The three objects are hashed side by side and uploaded from where their bytes are.
     Memory holds θ and the momentum (the round state's residual is used up as it goes), and one
     tensor of each delta, however many deltas there are; nothing long-lived is allocated in the
-    loop, so freed tensors are reused, not fragmented."""
+    loop, so freed tensors are reused, not fragmented. Each tensor's bytes in the spooled deltas
+    are released once merged, so the part files take over their pages instead of new ones and
+    the spool shrinks as the merge goes."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
@@ -78,6 +80,8 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
         for name, param in state.model.items():
             parent = param.clone()
             _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
+            for f in files:
+                f.release(name)  # read for the last time: the part files below reuse its pages
             wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, codec)
             state.residual.pop(name, None)  # the old residual goes as the new one comes: never both whole
             param.copy_(rebuilt)

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import struct
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from storage.codec import (
     MAX_HEADER_BYTES,
     CodecError,
+    TensorFile,
     TensorFileWriter,
     decode,
     decode_state,
@@ -347,3 +349,32 @@ def test_tensors_written_one_at_a_time_give_encode_states_very_bytes(tmp_path):
         writer.add("a", tensors["a"])
         raise RuntimeError("the merge failed")
     assert not (tmp_path / "failed").exists()  # a failed object leaves no part file
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_a_released_tensor_gives_its_disk_back_and_cannot_be_read_again(tmp_path, codec):
+    """The merge releases each tensor of a spooled delta once merged: its bytes (every wire part)
+    are deallocated while the file keeps its size, the other tensors read as before, and reading
+    it again is an error, never a tensor of zeros."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {"wte.weight": torch.randn(512, 1024, generator=g), "ln.bias": torch.randn(1024, generator=g)}
+    data = encode(tensors, META, codec)
+    path = tmp_path / "delta.safetensors"
+    path.write_bytes(data)
+    n = header_length(data)
+    delta = TensorFile(path, hashlib.sha256(data[8 + n :]).hexdigest())
+    kept, blocks = delta.decoded("ln.bias"), os.stat(path).st_blocks
+    delta.release("wte.weight")
+    assert os.stat(path).st_size == len(data) and delta.released == {"wte.weight"}
+    assert torch.equal(delta.decoded("ln.bias"), kept)
+    for read in (delta.decoded, delta.stored):
+        with pytest.raises(RuntimeError, match="released"):
+            read("wte.weight")
+    if sys.platform.startswith("linux"):
+        table, _ = read_header(data)
+        spans = [table[part]["data_offsets"] for part in delta.plan["wte.weight"]]
+        on_disk = path.read_bytes()
+        assert all(on_disk[8 + n + a : 8 + n + b] == bytes(b - a) for a, b in spans)
+        assert on_disk[: 8 + n] == data[: 8 + n]
+        released_blocks = sum(b - a for a, b in spans) // 512
+        assert os.stat(path).st_blocks <= blocks - released_blocks + 16  # partial pages at the edges stay

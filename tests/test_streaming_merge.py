@@ -83,6 +83,8 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
         assert model_object.read_bytes() == want_model_bytes and model_object.sha256 == sha256_hex(want_model_bytes)
         want_outer = encode_state({**want_momentum, **residual_state(want_residual)}, checkpoint_metadata(RUN, 1))
         assert outer.read_bytes() == want_outer and outer.sha256 == sha256_hex(want_outer)
+        for a in arrivals:  # every merged tensor's spooled bytes were handed back as the merge went
+            assert a.delta.released == set(a.delta.names), a.learner
         state.drop_spool()
 
 
