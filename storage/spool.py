@@ -7,9 +7,9 @@ hash runs on a thread of its own (hashlib lets go of the GIL), beside the body h
 write, so the two hashes take one hash's time where a core is free. A spooled file is
 only ever read by the process that spooled it; a retry spools again from storage.
 
-What a reader is done with can be handed back before the file goes (`punch_holes`): on a VM that
-must fetch every page the guest has not used before from its host, writing into fresh page cache
-runs at a few hundred MB/s, but into pages just freed at memory speed.
+What a reader is done with can be handed back before the file goes (`punch_holes`): on the VMs
+this runs on, writing into page cache the machine has not used lately runs at a few hundred
+MB/s, and into pages just freed at memory speed.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _fallocate():
 def punch_holes(path: Path, spans: list[tuple[int, int]]) -> bool:
     """Deallocate each (offset, length) of a local file: its size stays, those bytes read as
     zeros from now on, and the page cache and disk blocks they held are free at once. Returns
-    False, changing nothing, where the platform or the filesystem cannot (the file then simply
-    keeps its pages until it is removed)."""
+    False where the platform or the filesystem cannot; the file then keeps those pages until it
+    is removed."""
     fallocate = _fallocate()
     if fallocate is None:
         return False
