@@ -72,19 +72,17 @@ def _fallocate():
     return fallocate
 
 
-def punch_holes(path: Path, spans: list[tuple[int, int]]) -> bool:
+def punch_holes(path: Path, spans: list[tuple[int, int]]) -> None:
     """Deallocate each (offset, length) of a local file: its size stays, those bytes read as
-    zeros from now on, and the page cache and disk blocks they held are free at once. Returns
-    False where the platform or the filesystem cannot; the file then keeps those pages until it
-    is removed."""
+    zeros from now on, and the page cache and disk blocks they held are free at once. Where the
+    platform or the filesystem cannot, the file keeps those pages until it is removed."""
     fallocate = _fallocate()
     if fallocate is None:
-        return False
+        return
     fd = os.open(path, os.O_WRONLY)
     try:
         for offset, length in spans:
             if length and fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-                return False
+                return
     finally:
         os.close(fd)
-    return True
