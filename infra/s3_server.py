@@ -165,10 +165,24 @@ class S3Server:
         self._url = None
 
 
+def serve_s3(host: str, port: int = 0):
+    """moto's S3 service on a thread of this process; returns the werkzeug server (its
+    `server_address`, `shutdown()`).
+
+    moto's own server works out which of its ~200 services each request is for, and listing its
+    package's folders on every request, under one lock, cost about a millisecond of CPU per
+    request here (1,650 HEADs and LISTs: 9.4–9.7 s of client and server CPU against 10.8–11.8 s).
+    This endpoint serves S3 alone, so every request goes straight to moto's S3 app."""
+    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    server = make_server(host, port, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
+    threading.Thread(target=server.serve_forever, name="s3-server", daemon=True).start()
+    return server
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve S3 on 127.0.0.1 until terminated; write the bound port to --port-file."""
-    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--port-file", type=Path, required=True)
@@ -176,9 +190,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # One log line per request would grow the log by the thousands during a run.
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address=LOOPBACK, port=args.port, verbose=False)
-    server.start()
-    port = server.get_host_and_port()[1]
+    port = serve_s3(LOOPBACK, args.port).server_address[1]
     tmp = args.port_file.with_suffix(".tmp")
     tmp.write_text(str(port))
     tmp.rename(args.port_file)

@@ -1,7 +1,6 @@
 """Shared fixtures: a real S3 API (moto's server) on 127.0.0.1 for the session, a fresh bucket per test."""
 
 import os
-import socket
 import uuid
 
 import pytest
@@ -13,21 +12,13 @@ _S3_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """URL of a moto S3 server bound to loopback; AWS_* variables point at it for the session."""
-    from moto.server import ThreadedMotoServer
+    from infra.s3_server import serve_s3
 
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
+    server = serve_s3("127.0.0.1")
+    url = f"http://127.0.0.1:{server.server_address[1]}"
     env = {**_S3_ENV, "AWS_ENDPOINT_URL": url}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -39,7 +30,7 @@ def s3_endpoint():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        server.stop()
+        server.shutdown()
 
 
 @pytest.fixture
