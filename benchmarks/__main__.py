@@ -8,8 +8,9 @@ objects, `--only codec_live`),
 `scaling` (whether the loss follows the learners' compute, the faults bar's premise, `--only scaling`),
 `learner_start` (a learner process from a fresh interpreter against a fork, `--only learner_start`),
 `prefect_start` (the Prefect server on a fresh database against the migrated template,
-`--only prefect_start`) and `eval_cadence` (the pipeline evaluating every round against the last
-alone, `--only eval_cadence`).
+`--only prefect_start`), `eval_cadence` (the pipeline evaluating every round against the last
+alone, `--only eval_cadence`) and `s3_endpoint` (the embedded S3 endpoint's CPU per request,
+moto's own server against its S3 app served directly, `--only s3_endpoint`).
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
@@ -26,8 +27,8 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import (codec, dataplane, eval_cadence, faults, learner_start, pipeline, prefect_start, quality, scaling,
-                        schedule, utilization, wire)
+from benchmarks import (codec, dataplane, eval_cadence, faults, learner_start, pipeline, prefect_start, quality,
+                        s3_endpoint, scaling, schedule, utilization, wire)
 from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
@@ -40,6 +41,7 @@ BENCHMARKS = {
     "learner_start": learner_start.run,
     "prefect_start": prefect_start.run,
     "eval_cadence": eval_cadence.run,
+    "s3_endpoint": s3_endpoint.run,
     "wire": wire.run,
     "faults": faults.run,
     "utilization": utilization.run,

@@ -169,14 +169,22 @@ def serve_s3(host: str, port: int = 0):
     """moto's S3 service on a thread of this process; returns the werkzeug server (its
     `server_address`, `shutdown()`).
 
-    moto's own server works out which of its ~200 services each request is for, and listing its
-    package's folders on every request, under one lock, cost about a millisecond of CPU per
-    request here (1,650 HEADs and LISTs: 9.4–9.7 s of client and server CPU against 10.8–11.8 s).
-    This endpoint serves S3 alone, so every request goes straight to moto's S3 app."""
-    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
+    moto's own server works out which of its ~200 services each request is for, listing its
+    package's folders on every request under one lock. This endpoint serves S3 alone, so every
+    request goes straight to moto's S3 app (`python -m benchmarks --only s3_endpoint` measures
+    the CPU a request saves)."""
+    from moto.moto_server.werkzeug_app import create_backend_app
+
+    return serve_wsgi(create_backend_app("s3"), host, port)
+
+
+def serve_wsgi(app, host: str, port: int = 0):
+    """A moto WSGI app served as moto serves it (threaded, moto's request handler) on a daemon
+    thread of this process; returns the werkzeug server."""
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
     from werkzeug.serving import make_server
 
-    server = make_server(host, port, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
+    server = make_server(host, port, app, threaded=True, request_handler=MotoRequestHandler)
     threading.Thread(target=server.serve_forever, name="s3-server", daemon=True).start()
     return server
 

@@ -104,3 +104,12 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
     calls.clear()
     assert suite.main(["--quick", "--out", str(tmp_path)]) == 0
     assert calls == list(suite.SUITE)
+
+
+def test_s3_endpoint_compares_cpu_per_request_of_both_servers():
+    from benchmarks import s3_endpoint
+
+    res = s3_endpoint.run(quick=True)
+    (row,) = res.rows
+    assert row.benchmark.startswith("S3 endpoint: CPU per request") and row.ours > 0
+    assert all(ms > 0 for ms in res.raw["moto_server_cpu_ms_per_request"] + res.raw["s3_served_directly_cpu_ms_per_request"])
