@@ -80,7 +80,7 @@ def train_data_parallel(budget: Budget, seed: int, procs: int = 1) -> tuple[dict
             replies, pending = {}, list(conns)
             while pending:  # in whatever order they come: a failed rank leaves the others waiting on it
                 for conn in wait(pending):
-                    replies[conns.index(conn)] = worker_reply(conn)
+                    replies[conns.index(conn)] = worker_reply(conn, "a data-parallel rank")
                     pending.remove(conn)
             final, half = replies[0]
             return st_load(final), st_load(half)
@@ -214,19 +214,19 @@ def learner_worker(conn: Connection, budget: Budget, seed: int, learners: range)
         conn.send(traceback.format_exc())
 
 
-def worker_reply(conn: Connection):
+def worker_reply(conn: Connection, worker: str = "a learner worker"):
     """A worker's next reply; its traceback raised here when it failed."""
     reply = conn.recv()
     if isinstance(reply, str):
-        raise RuntimeError(f"a learner worker failed:\n{reply}")
+        raise RuntimeError(f"{worker} failed:\n{reply}")
     return reply
 
 
 def sync_procs(budget: Budget) -> int:
-    """Processes for the suite's sync DiLoCo learners and data-parallel ranks. On this tiny model two processes of one
-    thread each step about 1.17× faster than one process of two threads (0.072 against 0.085 s a
-    learner-step), its matmuls parallelising badly across threads; starting and stopping them
-    costs about 2.3 s, more than that saves at --quick's ten steps."""
+    """Processes for the suite's sync DiLoCo learners and data-parallel ranks. On this tiny model
+    two processes of one thread each step about 1.17× faster than one process of two threads
+    (0.072 against 0.085 s a learner-step), its matmuls parallelising badly across threads;
+    starting and stopping them costs about 2.3 s, more than that saves at --quick's ten steps."""
     return min(2, os.cpu_count() or 1) if budget.steps >= 100 else 1
 
 

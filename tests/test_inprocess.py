@@ -56,7 +56,7 @@ def test_data_parallel_in_two_ranks_gives_the_one_process_model():
 
 
 def test_a_failing_rank_raises_its_error_in_the_caller_and_leaves_no_process():
-    with pytest.raises(RuntimeError, match="failed") as failed:
+    with pytest.raises(RuntimeError, match="a data-parallel rank failed") as failed:
         train_data_parallel(Budget(learners=2, steps=4, warmup=5), 0, procs=2)
     assert "warmup_steps" in str(failed.value)
     assert not multiprocessing.active_children()
