@@ -85,12 +85,7 @@ def train_data_parallel(budget: Budget, seed: int, procs: int = 1) -> tuple[dict
             final, half = replies[0]
             return st_load(final), st_load(half)
         finally:
-            for worker in ranks:
-                if worker.is_alive():
-                    worker.terminate()
-                worker.join()
-            for conn in conns:
-                conn.close()
+            stop(ranks, conns)
 
 
 def dp_train(budget: Budget, seed: int, ddp: bool) -> tuple[dict, dict]:
@@ -191,12 +186,17 @@ def worker_phases(budget: Budget, seed: int, procs: int) -> Iterator[Callable[[d
         for worker in workers:
             worker.join()
     finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.terminate()
-            worker.join()
-        for conn in conns:
-            conn.close()
+        stop(workers, conns)
+
+
+def stop(workers: list, conns: list[Connection]) -> None:
+    """Kill the workers still running (an error left them mid-job), reap all and close their pipes."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+        worker.join()
+    for conn in conns:
+        conn.close()
 
 
 def learner_worker(conn: Connection, budget: Budget, seed: int, learners: range) -> None:
