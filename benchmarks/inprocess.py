@@ -58,9 +58,9 @@ def train_data_parallel(budget: Budget, seed: int, procs: int = 1) -> tuple[dict
     """`data_parallel`, as data-parallel training runs: procs > 1 trains it in that many spawned
     ranks of one thread each (torch.distributed, gloo on loopback), every rank on its slice of
     each batch and DDP averaging the gradients. That is the one-process model within float
-    rounding (1.5e-7 after 60 steps), and on 2 cores about 1.15× sooner a step than one process of
-    two threads (0.34–0.35 against 0.39–0.42 s over 100 steps, the ranks' 4 s start aside), the
-    tiny model's matmuls parallelising badly across threads."""
+    rounding (under 1e-5 after AdamW's first steps, tests/test_inprocess.py), and on 2 cores about
+    1.15× sooner a step than one process of two threads (0.34–0.35 against 0.39–0.42 s over 100
+    steps, the ranks' 4 s start aside), the tiny model's matmuls parallelising badly across threads."""
     if procs < 1:
         raise ValueError(f"procs must be >= 1, got {procs}")
     if procs == 1:
