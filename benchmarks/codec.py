@@ -30,7 +30,7 @@ REFERENCE = (RunConfig().codec, RunConfig().update_codec)  # the pipeline's defa
 INT4_CODECS = ("int4", INT4_UPDATES)  # the wire part's int4 run
 VARIANTS = {  # (delta codec, update codec): what each is there to show
     INT4_CODECS: "the wire part's int4 run",
-    ("int4", "int2"): "int2 updates, at 2.25 bits a value",
+    ("int4", "int2"): "int2 updates, at 2.125 bits a value",
 }
 
 

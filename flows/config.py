@@ -93,7 +93,7 @@ class RunConfig(BaseModel):
         {}, description="Per-region floor on an inner step's wall time, in seconds, held over each phase: a learner that computes faster waits out the rest, and a step slowed by other processes is made up by shorter waits after it, so its rate stays capped whatever else the machine runs."
     )
     codec: Literal["fp32", "bf16", "int8", "int4", "int3", "int2"] = Field(
-        "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4/int3/int2 with one scale per 64 values."
+        "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4/int3/int2 with one scale per 128 values."
     )
     update_codec: Literal["fp32", "bf16", "int8", "int4", "int3", "int2"] = Field(
         "bf16", description="Wire format of the outer update published beside each checkpoint, which learners one round behind fetch instead of it."

@@ -2,15 +2,17 @@
 
 Each tensor is cut into blocks of BLOCK values; a block keeps one bfloat16 scale (its absolute
 maximum over the largest level) and one small integer per value, so one large value costs
-precision only in its own block. A bfloat16 scale costs 0.25 bit per value where float32 cost
-0.5 (int4: 4.25 bits a value, not 4.5); its rounding (at most 2^-8 of the scale) is one more
-error that error feedback carries. Objects written with float32 scales still decode. int4
-packs two values per byte, int3 (−3 to 3: 3.25 bits a value) eight per three bytes; int2 (each
-value −1, 0 or +1 times its block's scale: 2.25 bits a value) packs four, and is meant for what
-has error feedback on its side; its scale is chosen for the least error rather than as the
-block's maximum (`ternary`), and decodes the same way. Error
-feedback keeps what the quantizer dropped (the residual) and adds it to the next delta, so over
-many phases the sum of what was sent tracks the sum of the true deltas instead of drifting.
+precision only in its own block. A bfloat16 scale over 128 values costs 0.125 bit per value
+(int4: 4.125 bits a value, where blocks of 64 cost 4.25 and float32 scales on them 4.5); its
+rounding (at most 2^-8 of the scale) is one more error that error feedback carries. Objects
+written with float32 scales or with blocks of 64 values still decode: a reader takes the block
+size from the counts of integers and scales (`written_block`). int4 packs two values per byte,
+int3 (−3 to 3: 3.125 bits a value) eight per three bytes; int2 (each value −1, 0 or +1 times its
+block's scale: 2.125 bits a value) packs four, and is meant for what has error feedback on its
+side; its scale is chosen for the least error rather than as the block's maximum (`ternary`),
+and decodes the same way. Error feedback keeps what the quantizer dropped (the residual) and
+adds it to the next delta, so over many phases the sum of what was sent tracks the sum of the
+true deltas instead of drifting.
 
 The wire form is a flat dict of tensors that safetensors can store: `<name>.q` (the integers),
 `<name>.scale` and `<name>.shape`; storage.codec writes and reads it. Pure torch: no storage,
@@ -24,7 +26,8 @@ import math
 import torch
 from torch.nn import functional as F
 
-BLOCK = 64
+BLOCK = 128  # values per scale in what this writes
+DECODABLE_BLOCKS = (BLOCK, 64)  # 64: objects written before blocks were 128 values
 SCALE_DTYPE = torch.bfloat16
 SCALE_DTYPES = (torch.bfloat16, torch.float32)  # float32: objects written before scales were bf16
 BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
@@ -109,22 +112,35 @@ def ternary(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack((torch.sign(blocks) * sent).to(torch.int8).reshape(-1), 2), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int, block: int = BLOCK) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int) -> torch.Tensor:
     """float32 tensor of `shape`; raises ValueError when the parts do not describe one."""
     if len(shape) > _MAX_DIMS or any(d < 0 for d in shape):
         raise ValueError(f"shape {shape} is not a tensor shape")
-    numel = math.prod(shape)
-    n_blocks = -(-numel // block)
-    if scale.dtype not in SCALE_DTYPES or scale.dim() != 1 or scale.numel() != n_blocks:
-        raise ValueError(f"scale must be {n_blocks} bfloat16 (or float32) values for shape {shape}, got {scale.dtype} {tuple(scale.shape)}")
+    block = written_block(q, scale, shape, bits)
     if not torch.isfinite(scale).all() or (scale < 0).any():
         raise ValueError("scale holds NaN, Inf or negative values")
-    want_dtype, want_numel = (torch.uint8, n_blocks * block * bits // 8) if bits < 8 else (torch.int8, n_blocks * block)
-    if q.dtype != want_dtype or q.dim() != 1 or q.numel() != want_numel:
-        raise ValueError(f"integers must be {want_numel} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}")
     ints = unpack(q, bits) if bits < 8 else q
-    values = ints.to(torch.float32).view(n_blocks, block) * scale.float()[:, None]
-    return values.reshape(-1)[:numel].view(shape)
+    values = ints.to(torch.float32).view(-1, block) * scale.float()[:, None]
+    return values.reshape(-1)[: math.prod(shape)].view(shape)
+
+
+def written_block(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int) -> int:
+    """The block size of DECODABLE_BLOCKS that `q` and `scale` were written with: the one whose
+    count of integers `q` holds and whose count of scales `scale` holds (for more than 64 values
+    the scale counts differ, for fewer the integer counts do, so at most one fits both)."""
+    n_blocks = {b: -(-math.prod(shape) // b) for b in DECODABLE_BLOCKS}
+    want_dtype = torch.uint8 if bits < 8 else torch.int8
+    want_numel = {b: n * b * bits // 8 for b, n in n_blocks.items()}
+    fits_q = [b for b in DECODABLE_BLOCKS if q.dtype == want_dtype and q.dim() == 1 and q.numel() == want_numel[b]]
+    if not fits_q:
+        want = " or ".join(f"{want_numel[b]} (blocks of {b})" for b in DECODABLE_BLOCKS)
+        raise ValueError(f"integers must be {want} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}")
+    fits = [b for b in fits_q if scale.dim() == 1 and scale.numel() == n_blocks[b]]
+    if scale.dtype not in SCALE_DTYPES or not fits:
+        want = " or ".join(f"{n_blocks[b]} (blocks of {b})" for b in fits_q)
+        raise ValueError(f"scale must be {want} bfloat16 (or float32) values for shape {shape}, "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    return fits[0]
 
 
 def to_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:

@@ -171,12 +171,12 @@ n_blocks = -(-130 // BLOCK)
     "changes,reason",
     [
         ({"scale": torch.full((n_blocks,), float("nan"))}, "NaN"),
-        ({"scale": torch.tensor([1.0, float("inf"), 1.0])}, "NaN, Inf"),
+        ({"scale": torch.tensor([1.0] * (n_blocks - 1) + [float("inf")])}, "NaN, Inf"),
         ({"scale": -torch.ones(n_blocks)}, "negative"),
         ({"scale": torch.ones(n_blocks + 1)}, "scale must be"),
         ({"scale": torch.ones(n_blocks, dtype=torch.float64)}, "scale must be"),
         ({"scale": torch.ones(n_blocks, 1)}, "scale must be"),
-        ({"shape": torch.tensor([10, 20])}, "scale must be"),
+        ({"shape": torch.tensor([10, 40])}, "integers must be"),
         ({"shape": torch.tensor([10, -13])}, "not a tensor shape"),
         ({"shape": torch.tensor([10.0, 13.0])}, "1-D int64"),
         ({"q": torch.zeros(3, dtype=torch.int8)}, "integers must be"),
@@ -197,6 +197,17 @@ def test_orphan_parts_and_stray_floats_are_refused():
         decode(encode_wire({**wire, "raw": torch.ones(2)}, META, "int8"))
     with pytest.raises(CodecError, match="unknown codec 'int5'"):
         decode(encode_wire(wire, META, "int8").replace(b'"codec":"int8"', b'"codec":"int5"'))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("numel", [1, 64, 100, 256, 1000])
+def test_objects_with_blocks_of_64_values_still_decode(bits, numel):
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    q, scale = quantize(t, bits, block=64)
+    assert scale.numel() == -(-numel // 64)
+    ints = unpack(q, bits) if bits < 8 else q
+    expected = ints.float()[:numel] * scale.float().repeat_interleave(64)[:numel]  # each value times its block's scale
+    assert torch.equal(dequantize(q, scale, [numel], bits), expected)
 
 
 def test_dequantize_refuses_q_of_the_wrong_codec():
