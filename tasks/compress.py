@@ -126,8 +126,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int
 
 def written_block(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int) -> int:
     """The block size of DECODABLE_BLOCKS that `q` and `scale` were written with: the one whose
-    count of integers `q` holds and whose count of scales `scale` holds (for more than 64 values
-    the scale counts differ, for fewer the integer counts do, so at most one fits both)."""
+    count of integers `q` holds and whose count of scales `scale` holds. For more than 64 values
+    the scale counts differ, for 1 to 64 the integer counts do, so one fits both (an empty tensor
+    decodes the same either way)."""
     n_blocks = {b: -(-math.prod(shape) // b) for b in DECODABLE_BLOCKS}
     want_dtype = torch.uint8 if bits < 8 else torch.int8
     want_numel = {b: n * b * bits // 8 for b, n in n_blocks.items()}

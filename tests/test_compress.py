@@ -200,7 +200,7 @@ def test_orphan_parts_and_stray_floats_are_refused():
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
-@pytest.mark.parametrize("numel", [1, 64, 100, 256, 1000])
+@pytest.mark.parametrize("numel", [0, 1, 64, 100, 256, 1000])
 def test_objects_with_blocks_of_64_values_still_decode(bits, numel):
     t = torch.randn(numel, generator=torch.Generator().manual_seed(5))
     q, scale = quantize(t, bits, block=64)
