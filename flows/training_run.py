@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
+from prefect.settings import temporary_settings
 from prefect.states import Cancelling
 
 from flows.artifacts import RunProgress, publish_report
@@ -92,6 +93,14 @@ def wait_learners(ids: list[UUID], timeout_s: float, cancel: bool) -> dict[str, 
         return {r.name: (r.state.name if r.state else "?") for r in runs}
 
 
+def run_round(run: str, round_: int, store: str) -> dict:
+    """Outer round `round_` as a subflow of the driver, without a heartbeat of its own: it runs
+    in the driver's process, whose heartbeat covers it, and Prefect's heartbeat thread sleeps in
+    one-second steps, which held each round's end up to a second before the next could begin."""
+    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        return outer_round(run_id=run, round=round_, store=store)
+
+
 def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, int]]:
     """Bytes each region's learners wrote and read, from their newest delta's own counters."""
     out = {}
@@ -156,7 +165,7 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
         while ended is None:
             r += 1
             chaos.crash_round(run, r, store)
-            published = outer_round(run_id=run, round=r, store=store)
+            published = run_round(run, r, store)
             view.round(published)
             progress.update(r)
             crash_point("round.after_publish", r)

@@ -299,3 +299,13 @@ def test_file_store_folders_are_created_and_count_as_reachable(tmp_path):
     cli.preflight(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["islands-eu-west", "islands-global", "islands-us-east"]
     assert all(not any(p.iterdir()) for p in tmp_path.iterdir())  # folders only, no objects
+
+
+def test_the_command_exits_with_mains_status_leaving_its_objects_to_the_system(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda: calls.append("main") or 3)
+    monkeypatch.setattr(cli.gc, "freeze", lambda: calls.append("freeze"))
+    with pytest.raises(SystemExit) as info:
+        cli.entry()
+    assert info.value.code == 3
+    assert calls == ["main", "freeze"]
