@@ -6,8 +6,8 @@ DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min
 waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever:
 twice the slow learner's phase at its floor, and at least 12 s (`round_timeout_s`), so only the
 dead one is given up on, and longer than the learners take to start and send their first deltas,
-since round 1's clock runs while they do (at --quick's sizes round 1 closed after 8.2 s with
-every delta in, its timeout 13.1 s). Both take longer on a slower machine: a fixed 20 s, below
+since round 1's clock runs while they do (at --quick's sizes round 1 closed after 6.0 s with
+every delta in, its timeout 12 s). Both take longer on a slower machine: a fixed 20 s, below
 a slow phase of 19.6 s on a day when a full-speed step took 0.196 s instead of 0.11, failed
 round 1 with nothing in.
 
@@ -59,7 +59,7 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     round 1 and goes on to round 3 to rehearse the kill (after round 1) and the restart (after
     round 2): (c) waits out its round timeout once, in round 2, and merges the restarted learner
     in round 3."""
-    h, rounds, target, (kill, restart) = (5, 3, 4.5, (1, 2)) if quick else (10, 36, 2.35, (10, 20))
+    h, rounds, target, (kill, restart) = (3, 3, 5.0, (1, 2)) if quick else (10, 36, 2.35, (10, 20))
     floor = step_floor_s()
     capped = tuple((r, floor) for r in pipeline.REGIONS)
     faulty = tuple((r, SLOWDOWN * floor if r == SLOW else floor) for r in pipeline.REGIONS)
