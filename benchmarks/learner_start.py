@@ -4,9 +4,9 @@ runner's fork server (flows.serve), four at once as a run's learners start.
 Prefect starts a served flow's run in multiprocessing's "spawn" context: a new interpreter that
 imports torch, Prefect and the flows before the run's first step. The learner runner swaps in a
 fork server that has imported them once. Both are timed here side by side, from
-`Process.start()` to a child that has `flows.learner` imported and has built a learner's model
-and optimizer (torch.optim imports torch._dynamo on first use), with the learner runner's own
-preload. The bar is ours, not the issue's: a fork must start at least 10× sooner, or the swap
+`Process.start()` to a child that has `flows.learner` imported, has opened its stores (fsspec
+imports s3fs on first use) and has built a learner's model and optimizer (torch.optim imports
+torch._dynamo on first use), with the learner runner's own preload. The bar is ours, not the issue's: a fork must start at least 10× sooner, or the swap
 is not worth what it costs to keep. An ablation beside the suite: `--only learner_start`.
 """
 
@@ -28,8 +28,10 @@ def ready(queue, t0: float) -> None:
     import torch
 
     from benchmarks.heldout import PRESET
+    from storage.store import Stores
     from tasks.model import build_model
 
+    Stores("s3://islands-{bucket}", ["north"])  # no request yet: fsspec imports the S3 file system
     torch.optim.AdamW(build_model(PRESET, 0).parameters())
     queue.put(time.time() - t0)
 

@@ -185,7 +185,9 @@ before = set(sys.modules)
 from tasks.data import BatchSampler
 from tasks.inner import InnerConfig, InnerTrainer
 from tasks.model import build_model
+from storage.store import Stores
 
+Stores("s3://islands-{bucket}", ["north"])  # what a learner opens first: fsspec imports s3fs for it
 model = build_model("tiny", 0)
 InnerTrainer(model, BatchSampler(os.urandom(1 << 16), 2, model.config.block_size, seed=0), InnerConfig()).train_step()
 print(len(set(sys.modules) - before), sorted(set(sys.modules) - before)[:10])
@@ -194,7 +196,8 @@ print(len(set(sys.modules) - before), sorted(set(sys.modules) - before)[:10])
 
 def test_the_fork_servers_preload_holds_what_a_learner_imports_before_its_first_step():
     """A module a learner first imports after the fork is imported again by every learner:
-    torch.optim's first optimizer alone pulls in torch._dynamo and sympy, 800 modules."""
+    torch.optim's first optimizer alone pulls in torch._dynamo and sympy, 800 modules, and the
+    learner's first store s3fs, aiobotocore and aiohttp."""
     out = subprocess.run([sys.executable, "-c", FIRST_STEP], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     count, _ = out.stdout.split(" ", 1)
