@@ -65,7 +65,7 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     faulty = tuple((r, SLOWDOWN * floor if r == SLOW else floor) for r in pipeline.REGIONS)
     chaos = (f"kill:{KILLED}@round{kill}", f"restart:{KILLED}@round{restart}")
     a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=(), min_step_s=capped, warmup=2 if quick else 50,
-                      target_loss=None if quick else target)
+                      target_loss=None if quick else target, eval_batches=pipeline.eval_batches(quick))
     b = replace(a, name="fb", min_step_s=faulty, chaos=chaos)
     c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, rebase=False,
                 round_timeout_s=round_timeout_s(h))

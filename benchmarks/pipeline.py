@@ -98,19 +98,30 @@ class Spec:
     target_loss: float | None = None  # end the run at the first round this good (RunConfig.target_loss)
     token_budget: int | None = None  # end the run once its rounds have merged this many tokens
     eval_every: int = 1  # 0: the synchronizer evaluates the last round only (RunConfig.eval_every)
+    eval_batches: int = EVAL_BATCHES  # held-out batches of the synchronizer's evaluations (`eval_batches`)
 
     def config(self) -> dict:
         return {
             "run_id": f"b-{self.name}-{hashlib.sha1(repr(self).encode()).hexdigest()[:6]}", "regions": list(REGIONS), "rounds": self.rounds,
             "inner_steps": self.inner_steps, "model": PRESET, "corpus": CORPUS, "seed": self.seed,
             "speed": dict(self.speed), "min_step_s": dict(self.min_step_s), "codec": self.codec,
-            "update_codec": self.update_codec, "eval_batches": EVAL_BATCHES, "eval_every": self.eval_every,
+            "update_codec": self.update_codec, "eval_batches": self.eval_batches, "eval_every": self.eval_every,
             "learner_wait_s": self.learner_wait_s, "rebase": self.rebase, "carry": self.carry,
             "inner": {"batch_size": BATCH, "warmup_steps": self.warmup, "total_steps": self.total_steps},
             "quorum": {"min_quorum": self.min_quorum, "round_timeout_s": self.round_timeout_s},
             **{key: value for key, value in (("target_loss", self.target_loss), ("token_budget", self.token_budget))
                if value is not None},
         }
+
+
+QUICK_EVAL_BATCHES = 4
+
+
+def eval_batches(quick: bool) -> int:
+    """Held-out batches of the synchronizer's own evaluations: a quarter of EVAL_BATCHES at
+    --quick, where the faults runs evaluate every round on its way and the figures judge nothing.
+    The parts' own held-out losses (benchmarks.heldout) use EVAL_BATCHES either way."""
+    return QUICK_EVAL_BATCHES if quick else EVAL_BATCHES
 
 
 WARM_STARTS: dict[str, dict[str, torch.Tensor]] = {}

@@ -44,7 +44,8 @@ def decoupled_spec(quick: bool, h: int, seed: int = 0, init: str | None = None, 
     rounds = b.learners * steps // h + 3
     return pipeline.Spec(name=f"q{h}s{seed}{'w' if init else ''}", inner_steps=h, rounds=rounds, seed=seed,
                          warmup=b.warmup, total_steps=steps, init=init,
-                         token_budget=Budget(b.learners, steps, b.warmup).tokens, eval_every=0)
+                         token_budget=Budget(b.learners, steps, b.warmup).tokens, eval_every=0,
+                         eval_batches=pipeline.eval_batches(quick))
 
 
 def at_budget(spec: pipeline.Spec, tokens: int) -> tuple[float, dict]:
