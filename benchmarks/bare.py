@@ -26,16 +26,22 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
-    model = build_model(PRESET, args.seed)
-    data = shard(train_bytes(), args.index, args.learners, block_size=model.config.block_size)
-    sampler = BatchSampler(data, BATCH, model.config.block_size, seed=args.seed * 1000 + args.index)
+    print(json.dumps(train(args.index, args.learners, args.steps, args.inner_steps, args.min_step_s, args.seed)))
+
+
+def train(index: int, learners: int, steps: int, inner_steps: int, min_step_s: float = 0.0, seed: int = 0) -> dict:
+    """Learner `index`'s inner loop on this process's threads, phase after phase from its own
+    θ, until it has trained `steps` batches' tokens; the model is built before the clock starts."""
+    model = build_model(PRESET, seed)
+    data = shard(train_bytes(), index, learners, block_size=model.config.block_size)
+    sampler = BatchSampler(data, BATCH, model.config.block_size, seed=seed * 1000 + index)
     trainer = InnerTrainer(model, sampler, InnerConfig())
-    t0, tokens, steps, theta = time.perf_counter(), 0, 0, params_of(model)
-    while tokens < args.steps * sampler.tokens_per_batch:
-        result = trainer.run_phase(theta, args.inner_steps, min_step_s=args.min_step_s)
+    t0, tokens, done, theta = time.perf_counter(), 0, 0, params_of(model)
+    while tokens < steps * sampler.tokens_per_batch:
+        result = trainer.run_phase(theta, inner_steps, min_step_s=min_step_s)
         theta = {k: theta[k] - result.delta[k] for k in theta}
-        tokens, steps = tokens + result.tokens, steps + result.steps
-    print(json.dumps({"tokens": tokens, "steps": steps, "seconds": time.perf_counter() - t0}))
+        tokens, done = tokens + result.tokens, done + result.steps
+    return {"tokens": tokens, "steps": done, "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":

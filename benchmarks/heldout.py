@@ -1,7 +1,8 @@
 """The one held-out evaluation every benchmark uses: the same corpus split, the same batches.
 
 They are the batches the synchronizer evaluates each round (tasks.round_state.held_out_batches
-with the run's eval_batches), so a manifest's eval loss and a loss computed here agree.
+with the run's eval_batches), so a manifest's eval loss and a loss computed here agree, except
+at --quick, where the synchronizer evaluates on fewer (benchmarks.pipeline.eval_batches).
 """
 
 from __future__ import annotations
