@@ -6,8 +6,9 @@ imports torch, Prefect and the flows before the run's first step. The learner ru
 fork server that has imported them once. Both are timed here side by side, from
 `Process.start()` to a child that has `flows.learner` imported, has opened its stores (fsspec
 imports s3fs on first use) and has built a learner's model and optimizer (torch.optim imports
-torch._dynamo on first use), with the learner runner's own preload. The bar is ours, not the issue's: a fork must start at least 10× sooner, or the swap
-is not worth what it costs to keep. An ablation beside the suite: `--only learner_start`.
+torch._dynamo on first use), with the learner runner's own preload. The bar is ours, not the
+issue's: a fork must start at least 10× sooner, or the swap is not worth what it costs to keep.
+An ablation beside the suite: `--only learner_start`.
 """
 
 from __future__ import annotations
