@@ -1,14 +1,19 @@
 """One learner's inner loop with nothing around it: no Prefect, no S3, same model, data, threads
-and rate cap (`--min-step-s`) as a pipeline learner. Prints {"tokens": …, "steps": …, "seconds": …} as one JSON line.
+and rate cap (`--min-step-s`) as a pipeline learner. With `--index`, that learner alone prints
+{"tokens": …, "steps": …, "seconds": …} as one JSON line; without it, all `--learners` train side
+by side, each in a fork of this process, and the line is the list of theirs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import time
+from multiprocessing.connection import Connection
 
 import torch
+import torch._dynamo  # noqa: F401 - torch.optim imports it at the first optimizer: here once, not in every fork
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
 from tasks.data import BatchSampler, shard
@@ -18,7 +23,7 @@ from tasks.model import build_model, params_of
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--index", type=int, help="train this learner alone (default: every learner, side by side)")
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--inner-steps", type=int, required=True)
@@ -26,7 +31,34 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(json.dumps(train(args.index, args.learners, args.steps, args.inner_steps, args.min_step_s, args.seed)))
+    job = (args.learners, args.steps, args.inner_steps, args.min_step_s, args.seed)
+    print(json.dumps(train(args.index, *job) if args.index is not None else side_by_side(*job)))
+
+
+def side_by_side(learners: int, steps: int, inner_steps: int, min_step_s: float = 0.0, seed: int = 0) -> list[dict]:
+    """Every learner's `train` at once, each in a fork of this process, as the pipeline's learners
+    are forks of the learner runner's fork server: one interpreter's start (3 s of a core to
+    import torch), not one per learner. Only for a process that has run nothing on torch's
+    threads yet (this module's command line): a fork of one that has can hang in them."""
+    ctx = multiprocessing.get_context("fork")
+    conns, procs = [], []
+    try:
+        for index in range(learners):
+            conn, theirs = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_report, args=(theirs, index, learners, steps, inner_steps, min_step_s, seed))
+            proc.start()
+            theirs.close()  # a child's death reads as EOF here, not a hang
+            conns.append(conn)
+            procs.append(proc)
+        return [conn.recv() for conn in conns]
+    finally:
+        for proc in procs:
+            proc.join()
+
+
+def _report(conn: Connection, *job) -> None:
+    conn.send(train(*job))
+    conn.close()
 
 
 def train(index: int, learners: int, steps: int, inner_steps: int, min_step_s: float = 0.0, seed: int = 0) -> dict:

@@ -36,13 +36,13 @@ def pipeline_rate(run: pipeline.Run) -> tuple[float, dict, dict]:
 
 
 def bare_rate(learners: int, steps: int, h: int, min_step_s: float) -> tuple[float, list[dict]]:
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "benchmarks.bare", "--index", str(i), "--learners", str(learners),
-                          "--steps", str(steps), "--inner-steps", str(h), "--min-step-s", str(min_step_s)],
-                         stdout=subprocess.PIPE, text=True)
-        for i in range(learners)
-    ]
-    outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    """(tokens/s of all, each one's figures) of `learners` bare inner loops side by side, forks of
+    one new interpreter (benchmarks.bare)."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bare", "--learners", str(learners), "--steps", str(steps),
+                          "--inner-steps", str(h), "--min-step-s", str(min_step_s)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmarks.bare failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    outs = json.loads(out.stdout.strip().splitlines()[-1])
     return sum(o["tokens"] / o["seconds"] for o in outs), outs
 
 

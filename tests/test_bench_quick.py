@@ -3,11 +3,14 @@
 Only the format is checked, never the figures: they depend on the machine.
 """
 
+import json
 import re
 import subprocess
 import sys
 
+from benchmarks.heldout import BATCH, PRESET
 from benchmarks.report import Result, at_least, at_most, table, within
+from tasks.model import build_model
 
 
 def test_table_rows_say_yes_or_no_against_their_bar():
@@ -113,3 +116,11 @@ def test_s3_endpoint_compares_cpu_per_request_of_both_servers():
     (row,) = res.rows
     assert row.benchmark.startswith("S3 endpoint: CPU per request") and row.ours > 0
     assert all(ms > 0 for ms in res.raw["moto_server_cpu_ms_per_request"] + res.raw["s3_served_directly_cpu_ms_per_request"])
+
+
+def test_bare_trains_every_learner_at_once_each_in_a_fork():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bare", "--learners", "2", "--steps", "2", "--inner-steps", "1"],
+                         capture_output=True, text=True, check=True)
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["steps"] for r in runs] == [2, 2]
+    assert runs[0]["tokens"] == runs[1]["tokens"] == 2 * BATCH * build_model(PRESET, 0).config.block_size
