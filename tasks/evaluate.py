@@ -22,7 +22,7 @@ from storage.manifest import Evaluation, Manifest
 from storage.rounds import get_tensors, read_evaluation
 from storage.store import ObjectStore
 from tasks.data import evaluate
-from tasks.model import GPT, PRESETS
+from tasks.model import PRESETS, skeleton
 from tasks.round_state import held_out_batches
 
 
@@ -30,8 +30,7 @@ def held_out_loss(config: RunConfig, params: dict[str, torch.Tensor]) -> float:
     """Held-out loss of θ; the model is built without weights and takes θ's tensors as its own,
     so θ is not copied."""
     preset = PRESETS[config.model]
-    with torch.device("meta"):
-        model = GPT(preset)
+    model = skeleton(preset)
     model.load_state_dict(params, assign=True)
     return evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, preset.block_size, config.eval_batches))
 

@@ -5,9 +5,11 @@ embeddings are separate tensors: weight tying would make two state-dict keys sha
 safetensors refuses to write.
 """
 
+import copy
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -116,6 +118,21 @@ def build_model(preset: str, seed: int) -> GPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(PRESETS[preset])
+
+
+def skeleton(config: GPTConfig) -> GPT:
+    """A GPT of `config`'s shapes without weights (meta tensors), for a θ to be assigned to it
+    (load_state_dict(assign=True)) without a copy."""
+    return copy.deepcopy(_meta_gpt(config))
+
+
+@lru_cache(maxsize=4)
+def _meta_gpt(config: GPTConfig) -> GPT:
+    """Built on the CPU once and emptied: built on the meta device, its initialisation would run
+    nn.init.normal_'s Python reference, whose first call imports torch._dynamo (1.2 s of a core,
+    on the way from a run's start to its first evaluation)."""
+    with torch.random.fork_rng(devices=[]):
+        return GPT(config).to_empty(device="meta")
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:

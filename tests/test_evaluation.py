@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from storage import layout
@@ -48,3 +51,21 @@ def test_readers_see_each_round_with_its_loss_or_none_while_it_is_evaluated():
     commit_evaluation(store, evaluation(chain[1], 3.25))
     assert [m.eval_loss for m in with_eval_losses(store, chain)] == [5.5, 3.25, None]
     assert chain[1].eval_loss is None  # the manifests read are not changed
+
+
+def test_evaluating_takes_thetas_tensors_and_leaves_torch_dynamo_unimported():
+    """A driver's first evaluation is on the way from its start to its learners' launch: building
+    the weightless model on the meta device would import torch._dynamo there (1.2 s of a core)."""
+    script = """
+import sys
+import torch
+from flows.config import RunConfig
+from tasks.evaluate import held_out_loss
+from tasks.model import build_model, params_of
+config = RunConfig(run_id="eval-imports", regions=["north", "south"], eval_batches=1, speed={})
+theta = params_of(build_model(config.model, 0))
+first, again = held_out_loss(config, theta), held_out_loss(config, theta)
+assert first == again and 5.0 < first < 6.0, (first, again)
+assert "torch._dynamo" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
