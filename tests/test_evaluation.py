@@ -53,7 +53,7 @@ def test_readers_see_each_round_with_its_loss_or_none_while_it_is_evaluated():
     assert chain[1].eval_loss is None  # the manifests read are not changed
 
 
-def test_evaluating_takes_thetas_tensors_and_leaves_torch_dynamo_unimported():
+def test_an_evaluation_gives_the_same_loss_twice_without_importing_torch_dynamo():
     """A driver's first evaluation is on the way from its start to its learners' launch: building
     the weightless model on the meta device would import torch._dynamo there (1.2 s of a core)."""
     script = """
