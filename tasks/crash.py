@@ -19,8 +19,8 @@ POINTS = {
     "phase.after_delta": "learner: delta written, learner state not yet",
     "phase.after_state": "learner: delta and state written, next phase not begun",
     "collect.done": "synchronizer: deltas collected, nothing of the round written",
-    "publish.after_model": "synchronizer: θ_r written, momentum and manifest not yet",
-    "publish.after_outer": "synchronizer: θ_r and momentum written, manifest not yet",
+    "publish.after_model": "synchronizer: θ_r written, its update and outer state maybe in flight, no manifest",
+    "publish.after_outer": "synchronizer: θ_r, its update and outer state written, manifest not yet",
     "publish.after_manifest": "synchronizer: round committed, not yet evaluated",
     "round.after_publish": "driver: round published, next round not started",
 }

@@ -10,6 +10,7 @@ way exactly one manifest exists per round and nothing is applied twice.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -80,12 +81,20 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
 
 def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, EncodedRef, ObjectRef]:
     """θ_r, its encoded update and the outer state under their content addresses: everything of
-    the round but the manifest, which names them."""
-    run, r, store = state.run, state.round, state.stores.global_
-    model_ref = put_encoded(store, lambda sha: layout.model_key(run, r, sha), merged.model_object)
-    update_ref = put_update(store, run, r, merged.update, state.config.update_codec)
-    crash_point("publish.after_model", r)
-    outer_ref = put_encoded(store, lambda sha: layout.outer_key(run, r, sha), merged.outer)
+    the round but the manifest, which names them.
+
+    The three go up side by side, each from where its bytes are: an S3 endpoint stores several
+    uploads at once faster than one after another (moto's server, from its threads; S3, from
+    its fleet). A crash point fires once the objects it names are in; the others may then be in
+    flight, and an upload cut short leaves no object."""
+    run, r, store, codec = state.run, state.round, state.stores.global_, state.config.update_codec
+    with ThreadPoolExecutor(3, thread_name_prefix="publish-put") as pool:
+        model = pool.submit(put_encoded, store, lambda sha: layout.model_key(run, r, sha), merged.model_object)
+        update = pool.submit(put_update, store, run, r, merged.update, codec)
+        outer = pool.submit(put_encoded, store, lambda sha: layout.outer_key(run, r, sha), merged.outer)
+        model_ref = model.result()
+        crash_point("publish.after_model", r)
+        update_ref, outer_ref = update.result(), outer.result()
     crash_point("publish.after_outer", r)
     return model_ref, update_ref, outer_ref
 

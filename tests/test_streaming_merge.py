@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 
@@ -22,8 +23,9 @@ from storage.store import Stores, sha256_hex
 from tasks.collect import Arrival, inspect, inspect_all
 from tasks.compress import residual_state, to_wire
 from tasks.merge import encode_update, merge_round
-from tasks.merge_step import apply_merge, merge_rule
+from tasks.merge_step import Merged, apply_merge, merge_rule
 from tasks.model import build_model
+from tasks.publish import write_objects
 from tasks.round_state import RoundState, remove_dead_spools
 
 RUN = "stream"
@@ -97,6 +99,28 @@ def test_checkpoints_written_from_files_are_the_canonical_bytes(tmp_path):
     assert put_tensors(stores.global_, lambda sha: f"m-{sha[:16]}", tensors, {"run": RUN}) == ref
     back = get_tensors(stores.global_, ref)
     assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def test_the_rounds_three_objects_go_up_side_by_side_as_merged(tmp_path, monkeypatch):
+    """write_objects starts all three uploads before any ends (each waits here for the other two
+    to begin), and what lands is the merge's bytes under their content addresses."""
+    state, written = round_state(tmp_path, 2)
+    arrivals = inspect_all(state, [(region, key, len(data)) for (region, key), data in written.items()])
+    model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
+    store, started = state.stores.global_, threading.Barrier(3, timeout=30)
+    put = store.put_or_verify
+
+    def put_when_all_started(key, data):
+        started.wait()  # raises BrokenBarrierError when the uploads run one after another
+        return put(key, data)
+
+    monkeypatch.setattr(store, "put_or_verify", put_when_all_started)
+    refs = write_objects(state, Merged(model, model_object, update, outer, [], []))
+    for ref, obj in zip(refs, (model_object, update, outer)):
+        assert ref.sha256 == obj.sha256 and store.get(ref.key, sha256=obj.sha256) == obj.read_bytes()
+    assert [ref.key for ref in refs] == [layout.model_key(RUN, 1, model_object.sha256),
+                                         layout.update_key(RUN, 1, update.sha256), layout.outer_key(RUN, 1, outer.sha256)]
+    state.drop_spool()
 
 
 def _flip_tensor_bytes(data: bytes) -> bytes:
