@@ -4,11 +4,12 @@
 The path is the synchronizer's own code: tasks.collect.inspect_all reads, hashes, decodes and
 validates the K deltas, two at a time as collect does; tasks.merge_step.apply_merge merges them,
 takes the outer step and encodes the update; tasks.publish.write_objects writes the model, the
-update and the outer state exactly as the publish task does. It runs in a child process per K,
-so its peak resident memory (VmHWM) is the synchronizer's alone; the same child then moves the
-same bytes with plain boto3 calls for the throughput baseline. Each step's CPU seconds, user and
-kernel, are reported for the child and for moto's server: on a VM whose new pages are slow to
-find, the kernel's share is where the copies into fresh memory show.
+update and the outer state exactly as the publish task does (side by side). It runs in a child
+process per K, so its peak resident memory (VmHWM) is the synchronizer's alone; the same child
+then moves the same bytes with plain boto3 calls, one after another and with botocore's default
+checksums, for the throughput baseline. Each step's CPU seconds, user and kernel, are reported
+for the child and for moto's server: on a VM whose new pages are slow to find, the kernel's
+share is where the copies into fresh memory show.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def throughput_row(k: int, m: dict) -> Row:
                     f"{cpu['read_and_validate']['sys']:.1f} s of kernel CPU in the synchronizer against "
                     f"{cpu['raw_read']['sys']:.1f} s in boto3's reads), the float64 merge and the hashes of the three "
                     f"objects it makes {m['merge_s']:.1f} s, which boto3 does not do, and writing the model, update "
-                    f"and outer state {m['write_s']:.1f} s against boto3's {m['raw_write_s']:.1f} s (moto's server "
+                    f"and outer state side by side, each PUT naming its sha256, {m['write_s']:.1f} s against boto3's "
+                    f"{m['raw_write_s']:.1f} s, one PUT after another with botocore's own checksums (moto's server "
                     f"spent {cpu['write']['server_sys']:.1f} s and {cpu['raw_write']['server_sys']:.1f} s of kernel "
                     "CPU storing them); all on the 2 cores moto's server also uses")
 

@@ -9,6 +9,7 @@ Listing discovers candidates; it never decides a commit — manifests do.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import hashlib
 import itertools
@@ -174,15 +175,18 @@ class ObjectStore:
 
     def _s3_put_stream(self, path: str, data: Stream) -> None:
         """A create-only PUT streamed from the pieces: one request where a multipart upload makes
-        one per part, nothing whole in memory. botocore rewinds the stream for its own retries; a
-        new attempt opens it again."""
+        one per part, nothing whole in memory. It carries the sha256 the stream already has, for
+        S3 to refuse bytes that are not those; botocore then computes no checksum of its own,
+        which over plain HTTP is a whole read of the object before sending it. botocore rewinds
+        the stream for its own retries; a new attempt opens it again."""
         bucket, key, _ = self.fs.split_path(path)
+        checksum = base64.b64encode(bytes.fromhex(data.sha256)).decode()
 
         async def put() -> None:
             await self.fs.set_session()
             s3 = await self.fs.get_s3(bucket)
             with data.open() as body:
-                await s3.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+                await s3.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*", ChecksumSHA256=checksum)
 
         fsspec.asyn.sync(self.fs.loop, put)
 

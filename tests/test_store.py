@@ -1,16 +1,20 @@
 """The object-store contract, on a local folder and on the real S3 API (moto's server on 127.0.0.1)."""
 
+import base64
+import hashlib
 import multiprocessing
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import boto3
+import fsspec.asyn
 import pytest
 import s3fs
 import torch
 from botocore.exceptions import ResponseStreamingError
 
+import storage.encoded as encoded_module
 import storage.store as store_module
 from storage import layout
 from storage.encoded import EncodedObject
@@ -67,6 +71,32 @@ def test_a_stream_is_put_once_and_the_first_bytes_stay(store, tmp_path, monkeypa
     assert store.put_or_verify("obj", first) is False
     with pytest.raises(IntegrityError, match="different content"):
         store.put_or_verify("obj", second)
+
+
+def test_a_streamed_put_names_its_sha256_and_is_read_for_no_other_checksum(s3_bucket, monkeypatch):
+    """The PUT carries the object's sha256 for S3 to check, so botocore adds no checksum of its
+    own, which would read the whole stream once more before sending it: read twice in all over
+    plain HTTP (botocore hashes the body to sign it, then sends it), three times without."""
+    store = ObjectStore(f"s3://{s3_bucket}")
+    data = bytes(range(256)) * 2**14  # 4 MiB
+    read, sent = [], []
+    readinto = encoded_module._Reader.readinto
+
+    def counted(self, buffer):
+        n = readinto(self, buffer)
+        read.append(n)
+        return n
+
+    monkeypatch.setattr(encoded_module._Reader, "readinto", counted)
+    fsspec.asyn.sync(store.fs.loop, store.fs.set_session)
+    client = fsspec.asyn.sync(store.fs.loop, store.fs.get_s3, s3_bucket)
+    client.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(
+        {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+    assert store.put_if_absent("streamed", EncodedObject((data,), sha256_hex(data))) is True
+    assert sum(read) == 2 * len(data)
+    assert [h.get("x-amz-checksum-sha256") for h in sent] == [base64.b64encode(hashlib.sha256(data).digest()).decode()]
+    assert not any(k.startswith("x-amz-checksum-") and k != "x-amz-checksum-sha256" for k in sent[0]), sent[0]
+    assert store.get("streamed", sha256=sha256_hex(data)) == data
 
 
 def test_put_or_verify_is_idempotent_for_the_same_bytes(store):
