@@ -83,10 +83,10 @@ def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, Encoded
     """θ_r, its encoded update and the outer state under their content addresses: everything of
     the round but the manifest, which names them.
 
-    The three go up side by side, each from where its bytes are: an S3 endpoint stores several
-    uploads at once faster than one after another (moto's server, from its threads; S3, from
-    its fleet). A crash point fires once the objects it names are in; the others may then be in
-    flight, and an upload cut short leaves no object."""
+    The three go up side by side, each from where its bytes are: an S3 endpoint takes several
+    uploads at once faster than one after another (moto's server stores them on its threads).
+    A crash point fires once the objects it names are in; the others may then be in flight, and
+    an upload cut short leaves no object."""
     run, r, store, codec = state.run, state.round, state.stores.global_, state.config.update_codec
     with ThreadPoolExecutor(3, thread_name_prefix="publish-put") as pool:
         model = pool.submit(put_encoded, store, lambda sha: layout.model_key(run, r, sha), merged.model_object)
