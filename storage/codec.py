@@ -277,13 +277,14 @@ class TensorFile:
         if name in self.released:
             raise RuntimeError(f"{self.path}: tensor {name!r} was released and cannot be read again")
 
-    def decoded(self, name: str) -> torch.Tensor:
-        """One tensor as `decode` gives it: floats as float32, whatever the codec."""
+    def decoded(self, name: str, shape_wanted: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One tensor as `decode` gives it: floats as float32, whatever the codec. With
+        `shape_wanted`, coded integers declaring another shape are refused uninflated (`decode_one`)."""
         self._readable(name)
         with safe_open(self.path, framework="pt") as fh:
-            parts = [fh.get_tensor(p) for p in self.plan[name]]
+            parts = {p: fh.get_tensor(p) for p in self.plan[name]}
         try:
-            return decode_one(name, parts, self.codec)
+            return decode_one(name, parts, self.codec, shape_wanted)
         except ValueError as exc:
             raise CodecError(str(exc)) from exc
 

@@ -157,7 +157,7 @@ def check_delta(delta: TensorFile, model: dict[str, torch.Tensor]) -> tuple[str 
     norms = []
     for name, ref in model.items():
         try:
-            reason, norm = check_tensor(name, delta.decoded(name), ref)
+            reason, norm = check_tensor(name, delta.decoded(name, tuple(ref.shape)), ref)
         except CodecError as exc:
             return str(exc), 0.0
         if reason:

@@ -8,6 +8,7 @@ bad object per kind; the outer-round flow then runs against the session's S3 and
 from __future__ import annotations
 
 import struct
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +17,10 @@ import torch
 from fake_learner import TOKENS, delta_bytes, metadata, new_run, pseudo_gradient, put
 from flows.outer_round import outer_round
 from storage import layout
-from storage.codec import MAX_HEADER_BYTES, encode
+from storage.codec import MAX_HEADER_BYTES, encode, encode_wire
 from storage.rounds import read_manifest
 from tasks.audit import audit_run
+from tasks.compress import to_wire
 
 RUN = "bad-deltas"
 HONEST = ["north-0", "south-0", "north-1", "south-1"]
@@ -41,6 +43,21 @@ def _with(tensors: dict, **changes) -> dict:
     return {**tensors, **changes}
 
 
+def _deflated(size: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(zlib.compress(bytes(size))), dtype=torch.uint8)
+
+
+def _int4_bomb(tensors: dict, name: str, declared: list[int] | None = None) -> dict:
+    """int4 wire tensors whose `name` inflates to 256 MB of zeros: as its own shape's integers (too
+    many for it), or as the integers of the `declared` shape it claims instead."""
+    wire = to_wire(tensors, "int4")
+    wire.pop(name + ".q", None)
+    wire[name + ".z"] = _deflated(2**28)
+    if declared is not None:
+        wire[name + ".shape"] = torch.tensor(declared)
+    return wire
+
+
 @pytest.fixture(scope="module")
 def run(on_stack):
     """Two rounds with bad deltas among honest ones: what was expected, the manifests, the audit."""
@@ -55,6 +72,9 @@ def run(on_stack):
         def bad(learner: str, phase: int, tensors: dict | None = None, base_round: int = 0, **meta) -> bytes:
             m = {**metadata(config, learner, phase, base_round), **meta}
             return encode(tensors if tensors is not None else g, {k: v for k, v in m.items() if v is not None})
+
+        def bad_int4(learner: str, phase: int, wire: dict) -> bytes:
+            return encode_wire(wire, metadata(config, learner, phase, 0), "int4")
 
         for i, learner in enumerate(HONEST):
             tokens = TOKENS * 1000 if learner == "south-1" else TOKENS  # south-1 lies about its tokens
@@ -76,6 +96,8 @@ def run(on_stack):
             put(config, stores, "north-1", 4, bad("north-1", 4, base_round=7)): "from the future",
             put(config, stores, "south-1", 1, bad("south-1", 1, tokens=None)): "metadata missing: tokens",
             put(config, stores, "south-1", 2, bad("south-1", 2) + b"\0" * 5_000_000): "oversized:",
+            put(config, stores, "south-1", 3, bad_int4("south-1", 3, _int4_bomb(g, name))): "inflate to more than",
+            put(config, stores, "south-1", 4, bad_int4("south-1", 4, _int4_bomb(g, name, [2**31]))): "wrong shape",
         }
         north = stores.region("north")
         for key, reason in ((layout.delta_key(RUN, "south-0", 9), "does not belong to region 'north'"),

@@ -377,4 +377,4 @@ def test_a_released_tensor_gives_its_disk_back_and_cannot_be_read_again(tmp_path
         assert all(on_disk[8 + n + a : 8 + n + b] == bytes(b - a) for a, b in spans)
         assert on_disk[: 8 + n] == data[: 8 + n]
         released_blocks = sum(b - a for a, b in spans) // 512
-        assert os.stat(path).st_blocks <= blocks - released_blocks + 16  # partial pages at the edges stay
+        assert os.stat(path).st_blocks <= blocks - released_blocks + 16 * len(spans)  # a partial page may stay at each edge

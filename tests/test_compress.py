@@ -1,4 +1,7 @@
-"""int8/int4/int3/int2 deltas: error bounds, exact packing, error feedback without drift, hostile parts refused."""
+"""int8/int4/int3/int2 deltas: error bounds, exact packing, deflated integers, error feedback without
+drift, hostile parts refused."""
+
+import zlib
 
 import pytest
 import torch
@@ -8,8 +11,10 @@ from tasks.compress import (
     BLOCK,
     TERNARY_THRESHOLD,
     compress_with_feedback,
+    decode_one,
     dequantize,
     from_wire,
+    integer_bytes,
     levels,
     pack,
     quantize,
@@ -155,6 +160,9 @@ def test_fp32_needs_no_residual_and_the_residual_round_trips_through_the_learner
 def hostile(codec: str, **changes) -> bytes:
     wire = to_wire({"w": torch.randn(10, 13)}, codec)
     for name, value in changes.items():
+        if name in ("q", "z"):  # the integers, packed or deflated: the one given replaces either
+            wire.pop("w.q", None)
+            wire.pop("w.z", None)
         key = "w." + name
         if value is None:
             del wire[key]
@@ -187,6 +195,67 @@ n_blocks = -(-130 // BLOCK)
 def test_hostile_parts_are_refused_with_a_codec_error(codec, changes, reason):
     with pytest.raises(CodecError, match=reason):
         decode(hostile(codec, **changes))
+
+
+def as_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize(
+    "stream,reason",
+    [
+        (lambda n: zlib.compress(bytes(100 * n + 10**6)), "inflate to more than the"),
+        (lambda n: zlib.compress(bytes(n))[:-6], "cut short"),
+        (lambda n: zlib.compress(bytes(n)) + b"more", "followed by other bytes"),
+        (lambda n: b"not deflate at all", "not a deflate stream"),
+    ],
+)
+def test_hostile_deflated_integers_are_refused_without_inflating_past_their_shape(codec, stream, reason):
+    n = integer_bytes(130, {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec], BLOCK)
+    with pytest.raises(CodecError, match=reason):
+        decode(hostile(codec, z=as_bytes(stream(n))))
+
+
+def test_deflated_integers_must_be_bytes_and_come_alone():
+    with pytest.raises(CodecError, match="1-D uint8"):
+        decode(hostile("int4", z=torch.zeros(4, dtype=torch.int16)))
+    wire = to_wire({"w": torch.randn(10, 13)}, "int4")
+    q, _ = quantize(torch.randn(10, 13), 4)
+    with pytest.raises(CodecError, match="both w.q and w.z"):
+        decode(encode_wire({**wire, "w.q": q}, META, "int4"))
+
+
+def test_a_reader_that_knows_the_shape_refuses_a_larger_one_before_inflating():
+    """A few kB of deflated zeros can declare a tensor of a GB: the shape is checked first."""
+    n = 2**28
+    bomb = {"w.z": as_bytes(zlib.compress(bytes(n // 2))), "w.scale": torch.zeros(n // BLOCK, dtype=torch.bfloat16),
+            "w.shape": torch.tensor([n])}
+    with pytest.raises(ValueError, match=r"wrong shape: \(268435456,\) instead of \(10, 13\)"):
+        decode_one("w", bomb, "int4", shape_wanted=(10, 13))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2"])
+def test_a_pseudo_gradients_integers_go_deflated_and_decode_to_the_same_values(codec):
+    t = torch.randn(256, 128, generator=torch.Generator().manual_seed(3)) * 1e-3  # values crowd near zero
+    q, scale = quantize(t, {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec])
+    wire = to_wire({"w": t}, codec)
+    assert "w.q" not in wire and wire["w.z"].dtype == torch.uint8
+    assert wire["w.z"].numel() < 0.95 * q.numel() * q.element_size()
+    assert torch.equal(wire["w.scale"], scale)
+    assert torch.equal(from_wire(wire, codec)["w"], dequantize(q, scale, [256, 128], {"int8": 8, "int4": 4, "int3": 3,
+                                                                                        "int2": 2}[codec]))
+
+
+def test_integers_that_do_not_shrink_stay_packed_and_packed_objects_still_decode():
+    t = torch.linspace(-1, 1, 256)[torch.randperm(256, generator=torch.Generator().manual_seed(0))]  # every int8 level once or twice
+    wire = to_wire({"w": t}, "int8")
+    assert "w.z" not in wire and torch.equal(wire["w.q"], quantize(t, 8)[0])
+    small = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    q, scale = quantize(small, 4)
+    packed = {"v.q": q, "v.scale": scale, "v.shape": torch.tensor([1000])}  # as objects were written before deflate
+    out, _ = decode(encode_wire(packed, META, "int4"))
+    assert torch.equal(out["v"], dequantize(q, scale, [1000], 4))
 
 
 def test_orphan_parts_and_stray_floats_are_refused():
