@@ -24,7 +24,7 @@ from safetensors.torch import save as st_save
 
 from storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
 from storage.spool import punch_holes
-from tasks.compress import CODECS, decode_one, from_wire, to_wire, wire_plan
+from tasks.compress import CODECS, decode_one, from_wire, packed_wire, to_wire, wire_plan
 
 MAX_HEADER_BYTES = 16 * 2**20
 BODY_SHA256 = "body_sha256"
@@ -143,6 +143,18 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise CodecError(f"safetensors refused the bytes: {exc}") from exc
     try:
         return from_wire(tensors, metadata.get("codec", "fp32")), metadata
+    except ValueError as exc:
+        raise CodecError(str(exc)) from exc
+
+
+def packed(data: bytes) -> bytes:
+    """A coded object in canonical bytes with its deflated integers packed again (`packed_wire`):
+    the same for two objects of the same integers whichever zlib deflated them."""
+    _, metadata = read_header(data)
+    check_body(data, metadata)
+    codec = metadata.get("codec", "fp32")
+    try:
+        return encode_wire(packed_wire(st_load(data), codec), metadata, codec)
     except ValueError as exc:
         raise CodecError(str(exc)) from exc
 

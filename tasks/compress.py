@@ -168,6 +168,13 @@ def inflate(z: torch.Tensor, limit: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(bytearray(out), dtype=torch.uint8).view(dtype) if out else torch.empty(0, dtype=dtype)
 
 
+def inflate_for(z: torch.Tensor, shape: list[int], bits: int) -> torch.Tensor:
+    """`inflate` with the limit a tensor of `shape` calls for, in the integers' own dtype."""
+    check_shape(shape)
+    limit = max(integer_bytes(math.prod(shape), bits, b) for b in DECODABLE_BLOCKS)
+    return inflate(z, limit, torch.uint8 if bits < 8 else torch.int8)
+
+
 def written_block(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int) -> int:
     """The block size of DECODABLE_BLOCKS that `q` and `scale` were written with: the one whose
     count of integers `q` holds and whose count of scales `scale` holds. For more than 64 values
@@ -259,9 +266,7 @@ def decode_one(name: str, parts: dict[str, torch.Tensor], codec: str, shape_want
         if shape_wanted is not None and tuple(dims) != tuple(shape_wanted):
             raise ValueError(f"wrong shape: {tuple(dims)} instead of {tuple(shape_wanted)}")
         if integers.endswith(".z"):
-            check_shape(dims)
-            limit = max(integer_bytes(math.prod(dims), bits, b) for b in DECODABLE_BLOCKS)
-            q = inflate(q, limit, torch.uint8 if bits < 8 else torch.int8)
+            q = inflate_for(q, dims, bits)
         return dequantize(q, scale, dims, bits)
     except ValueError as exc:
         raise ValueError(f"tensor {name!r}: {exc}") from exc
@@ -271,6 +276,21 @@ def from_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tens
     """float32 tensors back from the wire form; raises ValueError naming the bad tensor."""
     plan = wire_plan({k: v.is_floating_point() for k, v in wire.items()}, codec)
     return {name: decode_one(name, {p: wire[p] for p in parts}, codec) for name, parts in plan.items()}
+
+
+def packed_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    """`wire` with each deflated `.z` part inflated back to the packed `.q` it was made from.
+    Deflate's bytes differ between zlib builds while what they inflate to does not, so this is
+    the form in which two writers of the same integers agree bit for bit."""
+    plan = wire_plan({k: v.is_floating_point() for k, v in wire.items()}, codec)
+    out: dict[str, torch.Tensor] = {}
+    for name, (integers, *rest) in plan.items():
+        if integers.endswith(".z"):
+            out[name + ".q"] = inflate_for(wire[integers], wire[name + ".shape"].tolist(), BITS[codec])
+        else:
+            out[integers] = wire[integers]
+        out.update((p, wire[p]) for p in rest)
+    return out
 
 
 def compress_with_feedback(

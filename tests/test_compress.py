@@ -6,7 +6,7 @@ import zlib
 import pytest
 import torch
 
-from storage.codec import CodecError, decode, encode, encode_wire
+from storage.codec import CodecError, decode, encode, encode_wire, packed
 from tasks.compress import (
     BLOCK,
     TERNARY_THRESHOLD,
@@ -256,6 +256,18 @@ def test_integers_that_do_not_shrink_stay_packed_and_packed_objects_still_decode
     packed = {"v.q": q, "v.scale": scale, "v.shape": torch.tensor([1000])}  # as objects were written before deflate
     out, _ = decode(encode_wire(packed, META, "int4"))
     assert torch.equal(out["v"], dequantize(q, scale, [1000], 4))
+
+
+def test_objects_of_the_same_integers_deflated_differently_are_the_same_once_packed(monkeypatch):
+    src = delta()
+    fast = encode(src, META, "int4")
+    monkeypatch.setattr("tasks.compress.DEFLATE_LEVEL", 9)
+    slow = encode(src, META, "int4")
+    assert fast != slow and packed(fast) == packed(slow)
+    assert torch.equal(decode(fast)[0]["wte.weight"], decode(slow)[0]["wte.weight"])
+    other = encode({**src, "wte.weight": src["wte.weight"] * 1.5}, META, "int4")
+    assert packed(other) != packed(slow)
+    assert b'"wte.weight.q"' in packed(slow) and b'"wte.weight.z"' not in packed(slow)
 
 
 def test_orphan_parts_and_stray_floats_are_refused():

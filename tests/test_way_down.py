@@ -10,7 +10,8 @@ import torch
 from fake_learner import delta_bytes, new_run, put
 from flows.outer_round import outer_round
 from storage import layout
-from storage.codec import encode_state
+from storage.codec import encode_state, packed
+from tasks import audit, compress
 from storage.rounds import checkpoint_metadata, read_manifest
 from storage.store import sha256_hex
 from tasks.audit import audit_run
@@ -86,9 +87,10 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     assert report.ok and report.replayed == 2, report.summary()
 
 
-def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_deltas_were_merged(on_stack):
-    """int4 updates are an eighth of the checkpoint: a learner holding round 0 reaches round 2 from
-    rounds 1 and 2's updates, bit for bit, and learns that rounds 1 and 2 consumed its phases 0 and 1."""
+def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_deltas_were_merged(on_stack, monkeypatch):
+    """int4 updates are about an eighth of the checkpoint: a learner holding round 0 reaches round 2
+    from rounds 1 and 2's updates, bit for bit, and learns that rounds 1 and 2 consumed its phases 0
+    and 1. An audit whose zlib deflates the updates' integers into other bytes replays them too."""
     run = RUN + "-chain"
     config, stores = new_run(run, update_codec="int4")
     session = LearnerSession.open(config, run, "north-0", stores)
@@ -105,6 +107,13 @@ def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_delt
     assert held(session)[1].consumed == {0, 1}
     fresh, way, _, _ = reads(LearnerSession.open(config, run, "north-0", stores), 2)
     assert way == "checkpoint" and all(torch.equal(theta2[n], fresh[n]) for n in theta2)
+
+    compared = []
+    monkeypatch.setattr(compress, "DEFLATE_LEVEL", 9)  # as another zlib build would: other bytes
+    monkeypatch.setattr(audit, "packed", lambda data: compared.append(data) or packed(data))
+    report = audit_run(stores, run, replay=True)
+    assert report.ok and report.replayed == 3, report.summary()  # rounds 0 to 2
+    assert len(compared) == 4  # each round's update matched only once its integers were packed again
 
 
 def test_a_phase_starts_from_the_learners_own_weights_and_no_earlier_in_the_schedule_than_the_run(on_stack):
