@@ -197,6 +197,11 @@ def written_block(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: 
 
 def to_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
     """The tensors a delta object stores for `codec`; non-float tensors travel unchanged."""
+    return deflated_wire(quantized_wire(tensors, codec), codec)
+
+
+def quantized_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    """`to_wire` with the integers packed, not yet deflated (`packed_wire`'s form)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     out: dict[str, torch.Tensor] = {}
@@ -209,13 +214,22 @@ def to_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Ten
         else:
             if name.endswith(PARTS):
                 raise ValueError(f"tensor name {name!r} ends with a suffix the {codec} codec reserves ({', '.join(PARTS)})")
-            q, out[name + ".scale"] = quantize(t, BITS[codec])
-            z = deflate(q)
-            if z is None:
-                out[name + ".q"] = q
-            else:
-                out[name + ".z"] = z
+            out[name + ".q"], out[name + ".scale"] = quantize(t, BITS[codec])
             out[name + ".shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+    return out
+
+
+def deflated_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    """`wire` with each packed `.q` part deflated to a `.z` where that makes it smaller."""
+    if codec in FLOAT_WIRE:
+        return wire
+    out: dict[str, torch.Tensor] = {}
+    for name, t in wire.items():
+        z = deflate(t) if name.endswith(".q") else None
+        if z is None:
+            out[name] = t
+        else:
+            out[name[: -len(".q")] + ".z"] = z
     return out
 
 
@@ -302,11 +316,11 @@ def compress_with_feedback(
     quantizer drops is lost: it rides along with the next delta. A lossless codec keeps none.
     """
     target = {n: (t + residual[n] if n in residual else t).float() for n, t in delta.items()}
-    wire = to_wire(target, codec)
+    packed = quantized_wire(target, codec)
     if codec == "fp32":
-        return wire, {}
-    decoded = from_wire(wire, codec)
-    return wire, {n: target[n] - decoded[n] for n in target}
+        return packed, {}
+    decoded = from_wire(packed, codec)  # from the packed integers: nothing to inflate
+    return deflated_wire(packed, codec), {n: target[n] - decoded[n] for n in target}
 
 
 def residual_state(residual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
