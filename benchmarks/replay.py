@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from benchmarks.heldout import BATCH, PRESET
 from benchmarks.inprocess import Budget, learner_trainers
 from tasks.inner import InnerTrainer, carried
-from tasks.compress import compress_with_feedback, from_wire
+from tasks.compress import compress_with_feedback
 from tasks.merge import Candidate, MergeRule, encode_update, merge_round, plan_merge
 from tasks.model import build_model, params_of
 from tasks.pace import phase_steps
@@ -180,9 +180,9 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
         t_end = t + schedule.step_s / L.speed
         if L.done == schedule.steps_for(L.speed):
             delta = L.trainer.delta(L.base)
-            wire, L.residual = compress_with_feedback(delta, L.residual, schedule.codec)
+            _, sent, L.residual = compress_with_feedback(delta, L.residual, schedule.codec)
             pending.append(_Arrival(t_end, name, L.phase, L.base_round, L.done * BATCH * block,
-                                    t_end - L.phase_started, from_wire(wire, schedule.codec)))
+                                    t_end - L.phase_started, sent))
             L.unmerged[L.phase] = delta
             L.done, L.phase = 0, L.phase + 1
         heapq.heappush(clock, (t_end, i))

@@ -25,7 +25,7 @@ from benchmarks.inprocess import Budget, learner_trainers
 from benchmarks.pipeline import REGIONS, Run
 from flows.config import RunConfig
 from tasks.audit import RULE_FIELDS
-from tasks.compress import compress_with_feedback, from_wire
+from tasks.compress import compress_with_feedback
 from tasks.inner import carried
 from tasks.merge import MergeRule, encode_update, merge_round
 from tasks.model import build_model, params_of
@@ -112,8 +112,7 @@ def retrace(t: Trace, budget: Budget, codec: str, update_codec: str, seed: int =
                     base = newer
                 trainer.train_step()
             delta = trainer.delta(base)
-            wire, residual[name] = compress_with_feedback(delta, residual[name], codec)
-            sent[(name, p.phase)] = from_wire(wire, codec)
+            _, sent[(name, p.phase)], residual[name] = compress_with_feedback(delta, residual[name], codec)
             unmerged[name][p.phase] = delta
             if len(unmerged[name]) > CARRY_LIMIT:
                 del unmerged[name][min(unmerged[name])]

@@ -309,18 +309,21 @@ def packed_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Te
 
 def compress_with_feedback(
     delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: str
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(wire tensors of delta + residual, the new residual).
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(wire tensors of delta + residual, what a receiver decodes from them, the new residual).
 
     The new residual is (delta + old residual) − what the receiver will decode, so nothing the
     quantizer drops is lost: it rides along with the next delta. A lossless codec keeps none.
+    The decoded tensors are `from_wire(wire)` bit for bit, taken from the packed integers before
+    they are deflated, so a sender that needs them (the synchronizer rebuilding θ_r) does not
+    inflate what it has just deflated.
     """
     target = {n: (t + residual[n] if n in residual else t).float() for n, t in delta.items()}
     packed = quantized_wire(target, codec)
-    if codec == "fp32":
-        return packed, {}
     decoded = from_wire(packed, codec)  # from the packed integers: nothing to inflate
-    return deflated_wire(packed, codec), {n: target[n] - decoded[n] for n in target}
+    if codec == "fp32":
+        return packed, decoded, {}
+    return deflated_wire(packed, codec), decoded, {n: target[n] - decoded[n] for n in target}
 
 
 def residual_state(residual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

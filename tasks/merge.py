@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.compress import compress_with_feedback, from_wire
+from tasks.compress import compress_with_feedback
 
 RESIDUAL_DTYPE = torch.bfloat16  # the synchronizer's error-feedback residual
 
@@ -211,7 +211,7 @@ def encode_update_tensor(
     """One tensor of `encode_update` (the synchronizer's merge calls it tensor by tensor): its wire
     entries, its θ_r as `apply_update` rebuilds it, its part of the new residual."""
     carried = {name: residual[name]} if name in residual else {}
-    wire, left = compress_with_feedback({name: target - param}, carried, codec)
+    wire, decoded, left = compress_with_feedback({name: target - param}, carried, codec)
     # Kept in bf16: half the synchronizer's memory for it, and its own rounding (2^-9 of what the
     # codec dropped) is negligible next to what it corrects.
-    return wire, param.add(from_wire(wire, codec)[name]), {n: t.to(RESIDUAL_DTYPE) for n, t in left.items()}
+    return wire, param.add(decoded[name]), {n: t.to(RESIDUAL_DTYPE) for n, t in left.items()}

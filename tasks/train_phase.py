@@ -280,7 +280,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         **session.io_totals(),
     }
     # Error feedback: what the codec drops now rides along with the next delta.
-    wire, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)
+    wire, _, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)
     delta = encode_wire(wire, meta, cfg.codec)
     # Encoded now, before the next phase moves the optimizer on; uploaded while it trains.
     state = encode_state(

@@ -130,8 +130,10 @@ def test_error_feedback_keeps_the_sum_of_sent_updates_on_the_sum_of_true_deltas(
     for _ in range(300):
         d = {"w": bias + torch.randn(64, 64, generator=g) * 1e-3}
         true_sum += d["w"]
-        wire, residual = compress_with_feedback(d, residual, codec)
-        sent_fb += decode(encode_wire(wire, META, codec))[0]["w"]
+        wire, decoded, residual = compress_with_feedback(d, residual, codec)
+        received = decode(encode_wire(wire, META, codec))[0]["w"]
+        assert torch.equal(received, decoded["w"])  # what the sender rebuilds from is what arrives
+        sent_fb += received
         sent_plain += decode(encode(d, META, codec))[0]["w"]
         # The books balance at every step: what was sent plus what is held back is what was trained.
         assert torch.allclose(sent_fb + residual["w"], true_sum, atol=1e-5)
@@ -145,10 +147,11 @@ def test_error_feedback_keeps_the_sum_of_sent_updates_on_the_sum_of_true_deltas(
 
 def test_fp32_needs_no_residual_and_the_residual_round_trips_through_the_learner_state():
     d = delta()
-    wire, residual = compress_with_feedback(d, {}, "fp32")
+    wire, decoded, residual = compress_with_feedback(d, {}, "fp32")
     assert residual == {} and torch.equal(from_wire(wire, "fp32")["wte.weight"], d["wte.weight"])
+    assert torch.equal(decoded["wte.weight"], d["wte.weight"])
     floats = {k: v for k, v in d.items() if v.is_floating_point()}
-    _, residual = compress_with_feedback(floats, {}, "int4")
+    _, _, residual = compress_with_feedback(floats, {}, "int4")
     state = {"opt.step": torch.tensor(3), **residual_state(residual)}
     assert set(state) - {"opt.step"} == {f"codec.residual.{n}" for n in floats}
     rest, back = split_residual(state)
