@@ -16,9 +16,10 @@ import torch
 import torch._dynamo  # noqa: F401 - torch.optim imports it at the first optimizer: here once, not in every fork
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
-from tasks.data import BatchSampler, shard
-from tasks.inner import InnerConfig, InnerTrainer
-from tasks.model import build_model, params_of
+from tasks.core.data import BatchSampler, shard
+from tasks.core.config import InnerSettings
+from tasks.core.inner import InnerTrainer
+from tasks.core.model import build_model, params_of
 
 
 def main() -> None:
@@ -68,7 +69,7 @@ def train(index: int, learners: int, steps: int, inner_steps: int, min_step_s: f
     model = build_model(PRESET, seed)
     data = shard(train_bytes(), index, learners, block_size=model.config.block_size)
     sampler = BatchSampler(data, BATCH, model.config.block_size, seed=seed * 1000 + index)
-    trainer = InnerTrainer(model, sampler, InnerConfig())
+    trainer = InnerTrainer(model, sampler, InnerSettings())
     t0, tokens, done, theta = time.perf_counter(), 0, 0, params_of(model)
     while tokens < steps * sampler.tokens_per_batch:
         result = trainer.run_phase(theta, inner_steps, min_step_s=min_step_s)

@@ -23,8 +23,8 @@ from benchmarks.replay import Schedule, pipeline_defaults, replay
 from benchmarks.report import Result, at_most, standalone
 from benchmarks.retrace import retrace, trace
 from benchmarks.wire import INT4_LOSS_BAR, INT4_UPDATES, loss_pair, wire_budget
-from flows.config import RunConfig
-from tasks.merge_step import merge_rule
+from tasks.core.config import RunConfig
+
 
 REFERENCE = (RunConfig().codec, RunConfig().update_codec)  # the pipeline's defaults
 INT4_CODECS = ("int4", INT4_UPDATES)  # the wire part's int4 run
@@ -47,7 +47,7 @@ def schedules(h: int) -> dict[str, Schedule]:
 def run(quick: bool) -> Result:
     torch.set_num_threads(2)
     b, h = wire_budget(quick), hs(quick)[0]
-    rule = merge_rule(RunConfig())
+    rule = RunConfig().merge
     cases = schedules(h)
     timing = {what: {k: v for k, v in s.__dict__.items() if k not in ("codec", "update_codec")}  # codecs: raw
               for what, s in cases.items()}

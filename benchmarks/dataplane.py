@@ -28,13 +28,13 @@ import fsspec
 import torch
 
 from benchmarks.report import Result, Row, at_least, at_most, standalone
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage import layout
 from storage.codec import encode
 from storage.manifest import ObjectRef
 from storage.rounds import get_tensors, put_tensors
 from storage.store import Stores
-from tasks.model import GPT, GPTConfig
+from tasks.core.model import GPT, GPTConfig
 
 STORE = "s3://islands-{bucket}"
 REGIONS = ["east", "west"]
@@ -97,7 +97,7 @@ def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
     """In the child: the synchronizer's critical path, then the same bytes through boto3."""
     from infra.s3_server import client
     from tasks.collect import Arrival, inspect_all
-    from tasks.merge_step import Merged, apply_merge, merge_rule
+    from tasks.merge_step import Merged, apply_merge
     from tasks.publish import write_objects
     from tasks.round_state import RoundState
 
@@ -117,7 +117,7 @@ def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
         raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
     t_read = time.perf_counter()
     ours.append(("read_and_validate", cpu_s(server_pid)))
-    model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
+    model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, state.config.merge)
     t_merge = time.perf_counter()
     ours.append(("merge", cpu_s(server_pid)))
     written = write_objects(state, Merged(model, model_object, update, outer, [], []))

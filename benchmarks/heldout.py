@@ -12,8 +12,8 @@ from functools import lru_cache
 import torch
 
 from storage.corpus import read_corpus
-from tasks.data import evaluate, split_held_out
-from tasks.model import PRESETS, build_model
+from tasks.core.data import evaluate, split_held_out
+from tasks.core.model import PRESETS, build_model
 from tasks.round_state import held_out_batches
 
 CORPUS = "stdlib"

@@ -1,6 +1,6 @@
 """The baselines, trained with the project's own pieces outside the pipeline: data-parallel (one
 model at K× batch, in this process or in a few ranks that average their gradients) and
-synchronous DiLoCo (K learners, wait for all, tasks.merge for the merge), its learners in this
+synchronous DiLoCo (K learners, wait for all, tasks.core.merge for the merge), its learners in this
 process or in a few worker processes.
 
 Same model, data and seeds as the pipeline's learners (tasks.train_phase): learner i trains on
@@ -25,10 +25,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
-from tasks.data import BatchSampler, shard
-from tasks.inner import InnerConfig, InnerTrainer
-from tasks.merge import MergeRule, merge_round
-from tasks.model import build_model, params_of
+from tasks.core.data import BatchSampler, shard
+from tasks.core.config import InnerSettings
+from tasks.core.inner import InnerTrainer
+from tasks.core.config import MergeSettings
+from tasks.core.merge import merge_round
+from tasks.core.model import build_model, params_of
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def dp_train(budget: Budget, seed: int, ddp: bool) -> tuple[dict, dict]:
     """The data-parallel model's training, in one process or as one rank of a group."""
     model = build_model(PRESET, seed)
     sampler = BatchSampler(train_bytes(), budget.learners * BATCH, model.config.block_size, seed=seed * 1000)
-    trainer = InnerTrainer(model, sampler, InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps), ddp=ddp)
+    trainer = InnerTrainer(model, sampler, InnerSettings(warmup_steps=budget.warmup, total_steps=budget.steps), ddp=ddp)
     half = budget.steps // 2
     trainer.run_phase(params_of(model), half)
     snapshot = params_of(trainer.model)
@@ -118,7 +120,7 @@ def dp_rank(conn: Connection, rank: int, world: int, rendezvous: str, budget: Bu
         conn.send(traceback.format_exc())
 
 
-def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeRule, init: dict | None = None,
+def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeSettings, init: dict | None = None,
                 on_round: Callable[[int, dict], None] | None = None, procs: int = 1) -> dict:
     """K learners, H inner steps each, all deltas merged every round (equal tokens, equal weights);
     `on_round(r, θ_r)` sees each round's model. procs > 1 trains the learners in that many worker
@@ -142,7 +144,7 @@ def learner_trainers(budget: Budget, seed: int, learners: range) -> list[InnerTr
     """The trainers of `learners` as the pipeline builds them: learner i on shard i with sampler seed
     seed·1000 + i. One construction for the serial loop and the workers, so both train the same run."""
     block = build_model(PRESET, seed).config.block_size
-    cfg = InnerConfig(warmup_steps=budget.warmup, total_steps=budget.steps)
+    cfg = InnerSettings(warmup_steps=budget.warmup, total_steps=budget.steps)
     return [InnerTrainer(build_model(PRESET, seed),
                          BatchSampler(shard(train_bytes(), i, budget.learners, block_size=block), BATCH, block,
                                       seed=seed * 1000 + i), cfg)
@@ -231,14 +233,14 @@ def sync_procs(budget: Budget) -> int:
 
 
 @lru_cache(maxsize=4)
-def sync_diloco_from_seed(budget: Budget, seed: int, h: int, rule: MergeRule) -> dict:
+def sync_diloco_from_seed(budget: Budget, seed: int, h: int, rule: MergeSettings) -> dict:
     """`sync_diloco` from the seeded model, trained once per process: the quality and schedule
     parts of one suite run compare against the same run (callers must not change it)."""
     return sync_diloco(budget, seed, h, rule, procs=sync_procs(budget))
 
 
 @lru_cache(maxsize=4)
-def sync_diloco_from_warm(budget: Budget, seed: int, h: int, rule: MergeRule) -> dict:
+def sync_diloco_from_warm(budget: Budget, seed: int, h: int, rule: MergeSettings) -> dict:
     """`sync_diloco` over the budget's second half from data-parallel's (seed 0) half-way model,
     trained once per process: quality_robust and schedule compare against the same run."""
     _, warm = data_parallel(budget, seed=0)

@@ -30,7 +30,7 @@ def ready(queue, t0: float) -> None:
 
     from benchmarks.heldout import PRESET
     from storage.store import Stores
-    from tasks.model import build_model
+    from tasks.core.model import build_model
 
     Stores("s3://islands-{bucket}", ["north"])  # no request yet: fsspec imports the S3 file system
     torch.optim.AdamW(build_model(PRESET, 0).parameters())

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.heldout import BATCH, CORPUS, EVAL_BATCHES, PRESET
-from flows.config import load_config
+from tasks.core.config import load_config
 from storage import layout
 from storage.manifest import Manifest, Quorum
 from storage.rounds import get_tensors, object_metadata, put_tensors, read_chain, with_eval_losses

@@ -14,11 +14,11 @@ import torch
 from benchmarks import heldout, pipeline
 from benchmarks.inprocess import Budget, data_parallel, sync_diloco_from_seed, sync_diloco_from_warm
 from benchmarks.report import Result, at_most, standalone
-from tasks.merge import MergeRule
+from tasks.core.config import MergeSettings
 
 # The papers' η for full merges, with μ 0.8 from their sweep {0.95, 0.9, 0.8}: on this model and
 # budget μ 0.8 beat both 0.9 (by 5% of held-out loss) and 0.7 (by 0.4%) at H=10.
-SYNC_RULE = MergeRule(outer_lr=0.7, outer_momentum=0.8)
+SYNC_RULE = MergeSettings(outer_lr=0.7, outer_momentum=0.8)
 DP_BAR, DECOUPLED_BAR = 1.04, 1.03
 
 

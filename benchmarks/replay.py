@@ -1,15 +1,15 @@
 """The decoupled pipeline's schedule replayed in virtual time, in one process.
 
-Same learners, data, inner loop, quorum rule (tasks.quorum.decide) and merge plan
-(tasks.merge.plan_merge) as the pipeline, but the clock is simulated: a full-speed learner's inner
+Same learners, data, inner loop, quorum rule (tasks.core.quorum.decide) and merge plan
+(tasks.core.merge.plan_merge) as the pipeline, but the clock is simulated: a full-speed learner's inner
 step takes `step_s`, a slow one's 1/speed of that, a round is visible to learners `publish_s` after
 it closes. Nothing waits on servers, so learner behaviours, outer steps and codecs can be compared side by side
 on the same schedule in minutes (benchmarks.schedule, benchmarks.codec); the pipeline itself (benchmarks.quality,
 benchmarks.wire) is what the bars are measured on.
 
-Deltas go through the delta codec with the learner's error feedback (tasks.compress), as a learner
+Deltas go through the delta codec with the learner's error feedback (tasks.core.compress), as a learner
 sends them. With `update_codec`, a round's θ is θ_{r−1} + the decoded update with the
-synchronizer's error feedback (tasks.merge.encode_update), as the pipeline publishes it; without,
+synchronizer's error feedback (tasks.core.merge.encode_update), as the pipeline publishes it; without,
 it is the merge's θ exactly.
 """
 
@@ -21,12 +21,14 @@ from dataclasses import dataclass, field, replace
 
 from benchmarks.heldout import BATCH, PRESET
 from benchmarks.inprocess import Budget, learner_trainers
-from tasks.inner import InnerTrainer, carried
-from tasks.compress import compress_with_feedback
-from tasks.merge import Candidate, MergeRule, encode_update, merge_round, plan_merge
-from tasks.model import build_model, params_of
-from tasks.pace import phase_steps
-from tasks.quorum import LearnerHistory, QuorumPolicy, decide
+from tasks.core.inner import InnerTrainer, carried
+from tasks.core.compress import compress_with_feedback
+from tasks.core.config import MergeSettings
+from tasks.core.merge import Candidate, encode_update, merge_round, plan_merge
+from tasks.core.model import build_model, params_of
+from tasks.core.pace import phase_steps
+from tasks.core.config import QuorumSettings
+from tasks.core.quorum import LearnerHistory, decide
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class Schedule:
     rebase: bool = True
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
     catch_up: bool = False  # a phase starts at the learners' average progress in the lr schedule
-    paced: bool = False  # a phase's steps scale with the learner's rate (tasks.pace)
+    paced: bool = False  # a phase's steps scale with the learner's rate (tasks.core.pace)
     away: int = 0  # learners of the run that never send a delta (dead throughout), beyond `speeds`
     codec: str = "fp32"  # the deltas' codec
     update_codec: str | None = None  # the rounds' update codec; None: θ_r is the merge's result as it is
@@ -78,10 +80,10 @@ class _Learner:
     residual: dict = field(default_factory=dict)  # the delta codec's error feedback
 
 
-def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
+def replay(budget: Budget, schedule: Schedule, rule: MergeSettings, seed: int = 0,
            init: dict | None = None, on_round: Callable[[int, dict], None] | None = None) -> tuple[dict, dict]:
     """Train until the learners have trained the budget's tokens, merging as the synchronizer
-    does (weights from tasks.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
+    does (weights from tasks.core.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
     Round 0 is `init` when given (a warm start), else the seeded model; `on_round(r, θ_r)` sees
     each round's model as it is published."""
     block = build_model(PRESET, seed).config.block_size
@@ -89,8 +91,8 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeRule, seed: int = 0,
     learners = [_Learner(trainer, speed) for trainer, speed in
                 zip(learner_trainers(replace(budget, learners=alive), seed, range(alive)), schedule.speeds)]
     names = [f"l{i}" for i in range(len(learners) + schedule.away)]  # the away ones last: never trained
-    policy = QuorumPolicy(min_quorum=schedule.min_quorum, max_quorum=len(names), grace_max_s=20.0,
-                          deadline_s=600.0, grace_fraction=schedule.grace_fraction)
+    policy = QuorumSettings(min_quorum=schedule.min_quorum, max_quorum=len(names), grace_max_s=20.0,
+                            round_timeout_s=600.0, grace_fraction=schedule.grace_fraction)
     theta0 = init if init is not None else params_of(build_model(PRESET, seed))
     rounds = [(0, theta0, 0.0)]  # (round, θ, visible at)
     momentum, update_residual = None, {}

@@ -23,12 +23,13 @@ import torch
 from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, learner_trainers
 from benchmarks.pipeline import REGIONS, Run
-from flows.config import RunConfig
-from tasks.audit import RULE_FIELDS
-from tasks.compress import compress_with_feedback
-from tasks.inner import carried
-from tasks.merge import MergeRule, encode_update, merge_round
-from tasks.model import build_model, params_of
+from tasks.core.config import RunConfig
+from flows.audit import RULE_FIELDS
+from tasks.core.compress import compress_with_feedback
+from tasks.core.inner import carried
+from tasks.core.config import MergeSettings
+from tasks.core.merge import encode_update, merge_round
+from tasks.core.model import build_model, params_of
 from tasks.train_phase import CARRY_LIMIT
 
 
@@ -52,7 +53,7 @@ class Round:
 class Trace:
     phases: dict[str, list[Phase]]  # learner → its phases in order
     rounds: list[Round]  # index r − 1 for round r
-    rule: MergeRule
+    rule: MergeSettings
     learners: tuple[str, ...]  # in the run's order: learner i trains shard i
 
 
@@ -73,7 +74,7 @@ def trace(run: Run, until: int) -> Trace:
                     m.tokens_applied)
               for m in chain[1:]]
     hyper = chain[-1].hyper
-    rule = MergeRule(**{k: hyper[k] for k in RULE_FIELDS})
+    rule = MergeSettings(**{k: hyper[k] for k in RULE_FIELDS})
     config = RunConfig(run_id=run.run_id, regions=list(REGIONS))
     return Trace({n: sorted(ps, key=lambda p: p.phase) for n, ps in phases.items()}, rounds, rule,
                  tuple(name for name, _, _ in config.learners()))

@@ -9,7 +9,7 @@ part's budget per learner and H=10. The rounds the 4 learners take to reach the 
 end at, against the rounds the 3 took, is the time that a quarter less compute costs; the faults
 part's bar expects 4/3 ± 15%. Then the replay again with 3 of a run's 4 learners alive, the
 fourth away throughout as the faults part's killed learner is for a while: the learners' lr
-catch-up (tasks.inner) puts their schedule at the tokens applied over the run's 4 learners, so
+catch-up (tasks.core.inner) puts their schedule at the tokens applied over the run's 4 learners, so
 with one away it runs behind their steps; and the same two runs without catch-up.
 
 An ablation beside the suite, like `schedule` and `codec`: `python -m benchmarks --only scaling`.
@@ -28,9 +28,9 @@ from benchmarks.quality import SYNC_RULE, hs
 from benchmarks.replay import pipeline_defaults, replay
 from benchmarks.report import Result, standalone, within
 from benchmarks.wire import wire_budget
-from flows.config import RunConfig
-from tasks.merge_step import merge_rule
-from tasks.model import build_model, params_of
+from tasks.core.config import RunConfig
+
+from tasks.core.model import build_model, params_of
 
 FULL, FEWER = 4, 3  # learners: the faults part's (b) has about 3 learners' compute of (a)'s 4
 
@@ -56,7 +56,7 @@ def curve(train: Callable[[Callable[[int, dict], None]], object], start: float) 
 def run(quick: bool) -> Result:
     torch.set_num_threads(2)
     per_learner, h = wire_budget(quick), hs(quick)[0]
-    rule, defaults = merge_rule(RunConfig()), pipeline_defaults(h)  # the pipeline's outer step and learners
+    rule, defaults = RunConfig().merge, pipeline_defaults(h)  # the pipeline's outer step and learners
 
     def sync(k: int) -> Callable:
         return lambda watch: sync_diloco(replace(per_learner, learners=k), 0, h, SYNC_RULE, on_round=watch)

@@ -23,9 +23,9 @@ from benchmarks.inprocess import Budget, data_parallel, sync_diloco_from_seed, s
 from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
 from benchmarks.replay import Schedule, pipeline_defaults, replay
 from benchmarks.report import Result, at_most, standalone
-from flows.config import RunConfig
-from tasks.merge import MergeRule
-from tasks.merge_step import merge_rule
+from tasks.core.config import RunConfig
+from tasks.core.config import MergeSettings
+
 
 # From the warm start: how long after a round closes the learners see it, in phases.
 LATE = {"a third of a phase": 1 / 3, "two thirds of a phase": 2 / 3, "a whole phase": 1.0}
@@ -34,7 +34,7 @@ LATE = {"a third of a phase": 1 / 3, "two thirds of a phase": 2 / 3, "a whole ph
 def run(quick: bool) -> Result:
     torch.set_num_threads(2)
     b, h = budget(quick), hs(quick)[0]  # the quality part's budget and H
-    rule = merge_rule(RunConfig())  # the pipeline's default outer step
+    rule = RunConfig().merge  # the pipeline's default outer step
     res = Result("schedule", settings={"budget": b.__dict__, "H": h, "schedule": Schedule(h).__dict__,
                                        "decoupled_rule": rule.__dict__, "sync_rule": SYNC_RULE.__dict__})
     sync = heldout.loss(sync_diloco_from_seed(b, 0, h, SYNC_RULE))
@@ -63,7 +63,7 @@ def run(quick: bool) -> Result:
     return res
 
 
-def warm_start(res: Result, b: Budget, h: int, defaults: Schedule, rule: MergeRule) -> None:
+def warm_start(res: Result, b: Budget, h: int, defaults: Schedule, rule: MergeSettings) -> None:
     """The defaults from the warm start, with rounds reaching learners later and later."""
     _, warm = data_parallel(b, seed=0)
     sync = heldout.loss(sync_diloco_from_warm(b, 0, h, SYNC_RULE))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage.store import Stores
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

@@ -15,7 +15,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from flows.config import ConfigError, RunConfig, load_config, new_run_id, store_template
+from tasks.core.config import ConfigError, RunConfig, load_config, new_run_id, store_template
 
 EXIT_CONFIG = 2
 
@@ -248,7 +248,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             os.environ.update(bring_up(scope, ["islands-global"])[0])
         template = args.store or "s3://islands-{bucket}"
         try:
-            config = RunConfig.model_validate(read_config(Stores(template, []).global_, args.run_id))
+            config = read_config(Stores(template, []).global_, args.run_id)
         except (ObjectMissing, StoreError) as exc:
             return fail(f"{args.run_id}: no such run in {template} ({exc})")
     problem = check_faults(config, [])
@@ -323,14 +323,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """Exit 0 when every check holds, 1 naming each round and object that does not."""
     from storage.rounds import read_config
     from storage.store import ObjectMissing, StoreError, Stores
-    from tasks.audit import audit_run
+    from flows.audit import audit_run
 
     with ExitStack() as scope:
         if args.store is None:
             os.environ.update(bring_up(scope, ["islands-global"])[0])
         template = args.store or "s3://islands-{bucket}"
         try:
-            regions = RunConfig.model_validate(read_config(Stores(template, []).global_, args.run_id)).regions
+            regions = read_config(Stores(template, []).global_, args.run_id).regions
         except (ObjectMissing, StoreError) as exc:
             return fail(f"{args.run_id}: no such run in {template} ({exc})")
         report = audit_run(Stores(template, regions), args.run_id, args.replay)
@@ -339,7 +339,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tasks.wan_plan import Workload, check_lines, report
+    from tasks.core.plan import Workload, check_lines, report
 
     if args.check:
         print("\n".join(check_lines()))

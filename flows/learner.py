@@ -19,7 +19,6 @@ from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
-from flows.config import RunConfig
 from storage import lease
 from storage.rounds import read_config
 from storage.store import Stores
@@ -70,7 +69,7 @@ def learner(run_id: str, learner: str, store: str, driver: int | None = None, cr
         raise CrashSpecError(f"crash={crash!r} is not a learner crash point; use one of {', '.join(sorted(LEARNER_POINTS))}")
     record_process()
     global_only = Stores(store, [])
-    config = RunConfig.model_validate(read_config(global_only.global_, run_id))
+    config = read_config(global_only.global_, run_id)
     session = LearnerSession.open(config, run_id, learner, Stores(store, config.regions))
     epoch = driver if driver is not None else max(lease.epochs(session.global_store, run_id), default=0)
     session.watch = lease.Watch(session.global_store, run_id, epoch)

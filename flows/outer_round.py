@@ -14,7 +14,6 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.artifacts import publish_round_artifacts
-from flows.config import RunConfig
 from storage import layout
 from storage.manifest import Manifest
 from storage.rounds import evaluated, read_config, read_manifest
@@ -54,7 +53,7 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     """Publish round `round` of run `run_id` from the deltas waiting in the regional buckets."""
     log = get_run_logger()
     stores = Stores(store, [])
-    config = RunConfig.model_validate(read_config(stores.global_, run_id))
+    config = read_config(stores.global_, run_id)
     stores = Stores(store, config.regions)
     # One learner's share of the cores: more threads only spin against the learners beside it.
     torch.set_num_threads(config.threads_per_learner())

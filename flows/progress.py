@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage.manifest import Manifest
 
 

@@ -27,7 +27,7 @@ from prefect import Flow
 from prefect.exceptions import TerminationSignal
 from prefect.runner import Runner
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from flows.learner import learner
 from flows.outer_round import outer_round
 from flows.training_run import training_run

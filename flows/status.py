@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 
-from flows.config import EMBEDDED_STORE, RunConfig
+from tasks.core.config import EMBEDDED_STORE, RunConfig
 from flows.progress import loss_text
 from storage import layout
 from storage.manifest import Manifest
@@ -140,7 +140,7 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
     # Prefect first: a watch pays for its import before the run it waits for starts.
     states = learner_flow_states(run_id)
     try:
-        config = RunConfig.model_validate(read_config(Stores(template, []).global_, run_id))
+        config = read_config(Stores(template, []).global_, run_id)
     except ObjectMissing:
         raise NoSuchRun(f"{run_id}: no such run in {template}; check the run id or pass --store") from None
     stores = Stores(template, config.regions)

@@ -25,7 +25,7 @@ from prefect.states import Cancelling
 
 from flows.artifacts import RunProgress, publish_report
 from flows.buckets import prepare_buckets
-from flows.config import RunConfig, new_run_id, store_template
+from tasks.core.config import RunConfig, new_run_id, store_template
 from flows.outer_round import outer_round, summarize
 from flows.progress import ProgressView
 from flows.chaos import Chaos

@@ -1,6 +1,6 @@
 """Tensors on the wire: safetensors with string metadata, never pickle.
 
-Codecs: fp32, bf16, and int8/int4/int3/int2 with per-block scales (tasks.compress defines the wire form).
+Codecs: fp32, bf16, and int8/int4/int3/int2 with per-block scales (tasks.core.compress defines the wire form).
 Whatever the codec, `decode` returns float32 tensors under the original names, so validation
 and the merge never see the codec.
 
@@ -24,7 +24,7 @@ from safetensors.torch import save as st_save
 
 from storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
 from storage.spool import punch_holes
-from tasks.compress import CODECS, decode_one, from_wire, packed_wire, to_wire, wire_plan
+from tasks.core.compress import CODECS, decode_one, from_wire, packed_wire, to_wire, wire_plan
 
 MAX_HEADER_BYTES = 16 * 2**20
 BODY_SHA256 = "body_sha256"

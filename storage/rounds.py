@@ -18,6 +18,7 @@ from storage.encoded import EncodedObject
 from storage.manifest import EncodedRef, Evaluation, Manifest, ObjectRef
 from storage.spool import spool
 from storage.store import IntegrityError, ObjectMissing, ObjectStore, sha256_hex
+from tasks.core.config import RunConfig
 
 
 def latest_round(store: ObjectStore, run: str) -> int | None:
@@ -136,8 +137,9 @@ def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:
         return {name: stored.stored(name) for name in stored.names}
 
 
-def read_config(store: ObjectStore, run: str) -> dict:
-    return json.loads(store.get(layout.config_key(run)))
+def read_config(store: ObjectStore, run: str) -> RunConfig:
+    """The run's configuration as `islands run` wrote it (raises ObjectMissing for no such run)."""
+    return RunConfig.model_validate_json(store.get(layout.config_key(run)))
 
 
 def stop_requested(store: ObjectStore, run: str) -> bool:

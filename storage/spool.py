@@ -15,10 +15,13 @@ MB/s, and into pages just freed at memory speed.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
+import shutil
 import struct
 import sys
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -86,3 +89,45 @@ def punch_holes(path: Path, spans: list[tuple[int, int]]) -> None:
                 return
     finally:
         os.close(fd)
+
+
+class SpoolFolder:
+    """A fresh folder for one round's spooled deltas, owned by this process for as long as it
+    holds an exclusive lock on the folder itself (flock(2) of its descriptor). The kernel lets go of the lock when
+    the process dies however it dies, so a folder whose lock can be taken belongs to nobody:
+    a synchronizer killed mid-round cannot clean up after itself, and the next one does
+    (`remove_dead`)."""
+
+    def __init__(self, run: str, round_: int):
+        self.run = run
+        self.path = Path(tempfile.mkdtemp(prefix=f"{_prefix(run)}round{round_:06d}-"))
+        self._owner = os.open(self.path, os.O_RDONLY)
+        fcntl.flock(self._owner, fcntl.LOCK_EX)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._owner)
+
+
+def _prefix(run: str) -> str:
+    return f"islands-spool-{run}-"
+
+
+def remove_dead(run: str) -> list[Path]:
+    """Delete the spool folders of `run` that no live process owns; each holds up to K deltas.
+    Live ones, this process's own too, stay (a second lock on the same file is refused)."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(_prefix(run) + "round*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

@@ -2,7 +2,7 @@
 
 Each new delta is read once, size-checked before its bytes are fetched, streamed to the round's
 spool directory while it is hashed, parsed only by safetensors one tensor at a time, and judged
-by `tasks.validate`; a bad one is quarantined with its reason, never merged and never looked at
+by `tasks.core.validate`; a bad one is quarantined with its reason, never merged and never looked at
 again. A good one stays on local disk until the merge, so memory does not grow with the number of
 deltas. Listing only discovers; the consumed set comes from manifests. A poll asks each
 learner's folder only for keys after the newest one seen (`DeltaWatch`), so it costs the same
@@ -25,9 +25,9 @@ from storage.codec import CodecError, TensorFile
 from storage.manifest import Excluded
 from storage.spool import spool
 from storage.store import IntegrityError, ObjectMissing, ObjectStore
-from tasks.quorum import Decision, decide
+from tasks.core.quorum import Decision, decide
 from tasks.round_state import RoundState
-from tasks.validate import check_metadata, check_names, check_tensor, global_norm
+from tasks.core.validate import check_metadata, check_names, check_tensor, global_norm
 
 READERS = 2  # deltas read at once (see inspect_all)
 
@@ -177,7 +177,7 @@ def _int(value: str | None) -> int:
 def collect(state: RoundState) -> Collected:
     """Poll until all are in, the quorum's grace window ends, or the hard deadline passes."""
     log = get_run_logger()
-    cfg, policy = state.config, state.policy()
+    cfg = state.config
     consumed = state.consumed_keys
     history = state.history()
     learners = [name for name, _, _ in cfg.learners()]
@@ -214,7 +214,7 @@ def collect(state: RoundState) -> Collected:
             if a.learner in current:
                 current[a.learner] = current[a.learner].seen(a.finished_at, a.seconds)
         now = time.time()
-        decision = decide(policy, started, now, fresh, learners, current)
+        decision = decide(cfg.quorum, started, now, fresh, learners, current, listing_s=cfg.quorum.poll_s)
         if decision.close:
             if looks > 1:  # the first look listed everything already
                 look(last=True)

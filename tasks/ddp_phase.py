@@ -19,9 +19,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from storage.corpus import STDLIB, read_corpus
-from tasks.data import BatchSampler, split_held_out
-from tasks.inner import InnerConfig, InnerTrainer
-from tasks.model import build_model
+from tasks.core.data import BatchSampler, split_held_out
+from tasks.core.config import InnerSettings
+from tasks.core.inner import InnerTrainer
+from tasks.core.model import build_model
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -43,7 +44,7 @@ def train_phase(args: argparse.Namespace, distributed: bool) -> None:
     model = build_model(args.model, args.seed)
     train, _ = split_held_out(read_corpus(args.corpus))
     sampler = BatchSampler(train, args.batch_size, model.config.block_size, seed=args.seed)
-    trainer = InnerTrainer(model, sampler, InnerConfig(), device, ddp=distributed)
+    trainer = InnerTrainer(model, sampler, InnerSettings(), device, ddp=distributed)
     base = load_file(args.base) if args.base else {k: v.clone() for k, v in model.state_dict().items()}
     result = trainer.run_phase(base, args.steps)
     if trainer.rank == 0:

@@ -16,13 +16,13 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage import layout
 from storage.manifest import Evaluation, Manifest
 from storage.rounds import get_tensors, read_evaluation
 from storage.store import ObjectStore
-from tasks.data import evaluate
-from tasks.model import PRESETS, skeleton
+from tasks.core.data import evaluate
+from tasks.core.model import PRESETS, skeleton
 from tasks.round_state import held_out_batches
 
 

@@ -1,6 +1,6 @@
 """Merge: turn the collected deltas into θ_r and the new outer momentum.
 
-The arithmetic is `tasks.merge` (pure); this task decides which deltas take part (norm outliers
+The arithmetic is `tasks.core.merge` (pure); this task decides which deltas take part (norm outliers
 are quarantined, over-stale ones dropped) and keeps the bookkeeping the manifest needs.
 """
 
@@ -13,16 +13,16 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import RunConfig
 from storage.codec import TensorFileWriter, encode_state_object
 from storage.encoded import EncodedObject
 from storage.manifest import Contribution, Excluded
 from storage.rounds import checkpoint_metadata, update_metadata
 from tasks.collect import Arrival, Collected
-from tasks.compress import RESIDUAL_PREFIX
-from tasks.merge import Candidate, MergeRule, encode_update_tensor, merge_tensor_, plan_merge
+from tasks.core.compress import RESIDUAL_PREFIX
+from tasks.core.config import MergeSettings
+from tasks.core.merge import Candidate, encode_update_tensor, merge_tensor_, plan_merge
 from tasks.round_state import RoundState
-from tasks.validate import norm_outliers
+from tasks.core.validate import norm_outliers
 
 
 class RoundFailed(RuntimeError):
@@ -39,22 +39,13 @@ class Merged:
     excluded: list[Excluded]
 
 
-def merge_rule(config: RunConfig) -> MergeRule:
-    """The run's merge settings as the pure merge's rule."""
-    m = config.merge
-    return MergeRule(
-        outer_lr=m.outer_lr, outer_momentum=m.outer_momentum, staleness_lambda=m.staleness_lambda,
-        max_staleness=m.max_staleness, token_cap=m.token_cap,
-    )
-
-
-def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
+def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeSettings):
     """(θ_r, momentum, θ_r's checkpoint object, the encoded update, the outer state, weighted,
     dropped).
 
     Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
     stepped into the round state's θ and momentum in place, then the step is encoded with the
-    update codec (tasks.merge.encode_update), its wire tensors go straight to the update's part
+    update codec (tasks.core.merge.encode_update), its wire tensors go straight to the update's part
     files, θ_r becomes θ_{r−1} + the decoded step, and the codec's new residual goes straight to
     the outer state's parts; the outer state and the checkpoint read the momentum and θ_r from
     memory. The three objects are hashed side by side and uploaded from where their bytes are.
@@ -104,7 +95,7 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeRule):
 @task(name="merge", cache_policy=NO_CACHE)
 def merge(state: RoundState, collected: Collected) -> Merged:
     log = get_run_logger()
-    rule = merge_rule(state.config)
+    rule = state.config.merge
     outliers = norm_outliers({a.key: a.norm for a in collected.arrivals})
     excluded = list(collected.quarantined)
     arrivals = []

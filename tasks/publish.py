@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage import layout
 from storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
 from storage.rounds import checkpoint_metadata, put_encoded, put_tensors, put_update, read_manifest
@@ -26,7 +26,7 @@ from tasks.collect import Collected
 from tasks.crash import crash_point
 from tasks.evaluate import held_out_loss
 from tasks.merge_step import Merged
-from tasks.model import build_model, params_of
+from tasks.core.model import build_model, params_of
 from tasks.round_state import RoundState
 
 

@@ -7,11 +7,7 @@ second synchronizer or a retried flow run reaches the same view.
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 import statistics
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -19,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from flows.config import RunConfig
-from infra.process import pid_alive
+from tasks.core.config import RunConfig
 from storage.corpus import read_corpus
 from storage.manifest import Contribution, Manifest
 from storage.rounds import get_tensors, read_chain
+from storage.spool import SpoolFolder, remove_dead
 from storage.store import Stores
-from tasks.compress import split_residual
-from tasks.data import eval_batches, split_held_out
-from tasks.quorum import LearnerHistory, QuorumPolicy
+from tasks.core.compress import split_residual
+from tasks.core.data import eval_batches, split_held_out
+from tasks.core.quorum import LearnerHistory
 
 HISTORY = 5
 _CHAINS: dict[tuple[str, str], list[tuple[Manifest, str]]] = {}  # checked chains this process has read
@@ -62,16 +58,20 @@ class RoundState:
         return cls(config, run, parent.round + 1, stores, chain, model, momentum, residual)
 
     @cached_property
-    def spool_dir(self) -> Path:
+    def spool(self) -> SpoolFolder:
         """Where this round's deltas wait between collect and merge; fresh for every process and
         every try, so a spooled file is never trusted beyond the process that read it. Spools that
         synchronizers of this run left when they were killed are removed first."""
-        remove_dead_spools(self.run)
-        return Path(tempfile.mkdtemp(prefix=f"islands-spool-{self.run}-pid{os.getpid()}-round{self.round:06d}-"))
+        remove_dead(self.run)
+        return SpoolFolder(self.run, self.round)
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.spool.path
 
     def drop_spool(self) -> None:
-        if "spool_dir" in self.__dict__:
-            shutil.rmtree(self.__dict__.pop("spool_dir"), ignore_errors=True)
+        if "spool" in self.__dict__:
+            self.__dict__.pop("spool").remove()
 
     @property
     def parent(self) -> tuple[Manifest, str]:
@@ -103,13 +103,6 @@ class RoundState:
             )
         return out
 
-    def policy(self) -> QuorumPolicy:
-        q = self.config.quorum
-        return QuorumPolicy(
-            min_quorum=q.min_quorum, max_quorum=self.config.max_quorum, grace_max_s=q.grace_max_s, deadline_s=q.round_timeout_s,
-            grace_fraction=q.grace_fraction, listing_s=q.poll_s,
-        )
-
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""
         return sum(t.numel() * 4 for t in self.model.values()) + 1_000_000
@@ -127,16 +120,3 @@ def seen_lag(recent: list[Contribution]) -> float:
     """From a learner's finish time to the synchronizer seeing its delta, at best: the upload and
     the clocks' offset, without the wait for the next look (0 in manifests that do not say)."""
     return min((c.seen_at - c.finished_at for c in recent if c.seen_at is not None), default=0.0)
-
-
-def remove_dead_spools(run: str) -> list[Path]:
-    """Delete the spool folders of `run` whose process is gone: a killed synchronizer cannot clean
-    up after itself, and each spool holds up to K deltas. Live ones, this process's too, stay."""
-    owner = re.compile(rf"islands-spool-{re.escape(run)}-pid(\d+)-round\d{{6}}-[a-z0-9_]+")
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob("islands-spool-*"):
-        found = owner.fullmatch(path.name)
-        if found and not pid_alive(int(found[1])):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed

@@ -28,7 +28,7 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage import layout
 from storage.cache import regional_get
 from storage.codec import decode, decode_state, encode_state, encode_wire
@@ -38,13 +38,13 @@ from storage.manifest import Manifest, ObjectRef
 from storage.rounds import checkpoint_metadata, newest_round_from, read_manifest, stop_requested
 from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.crash import crash_point
-from tasks.compress import compress_with_feedback, residual_state, split_residual
-from tasks.data import BatchSampler, shard, split_held_out
+from tasks.core.compress import compress_with_feedback, residual_state, split_residual
+from tasks.core.data import BatchSampler, shard, split_held_out
 from tasks.follow import Held, RoundFollower
-from tasks.inner import InnerConfig, InnerTrainer, carried
-from tasks.merge import apply_update
-from tasks.model import build_model, params_of
-from tasks.pace import phase_steps
+from tasks.core.inner import InnerTrainer, carried
+from tasks.core.merge import apply_update
+from tasks.core.model import build_model, params_of
+from tasks.core.pace import phase_steps
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
@@ -60,14 +60,6 @@ class HeldRound:
     consumed: frozenset[int] = frozenset()
     tokens_applied: int = 0  # the run's progress at round r (Manifest.tokens_applied)
     rates: dict[str, float] = field(default_factory=dict)  # learner → tokens/s of its newest merged phase
-
-
-def inner_config(cfg: RunConfig) -> InnerConfig:
-    s = cfg.inner
-    return InnerConfig(
-        lr=s.lr, warmup_steps=s.warmup_steps, total_steps=s.total_steps, min_lr_ratio=s.min_lr_ratio,
-        weight_decay=s.weight_decay, grad_clip=s.grad_clip,
-    )
 
 
 @dataclass
@@ -90,7 +82,7 @@ class LearnerSession:
     uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
     unmerged: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # phase → delta no round holds yet
-    rate: float | None = None  # tokens/s of this learner's last phase (tasks.pace)
+    rate: float | None = None  # tokens/s of this learner's last phase (tasks.core.pace)
 
     @property
     def global_store(self) -> ObjectStore:
@@ -113,7 +105,7 @@ class LearnerSession:
         train, _ = split_held_out(read_corpus(config.corpus))
         data = shard(train, index[learner], config.num_learners, block_size=model.config.block_size)
         sampler = BatchSampler(data, config.inner.batch_size, model.config.block_size, seed=config.seed * 1000 + index[learner])
-        trainer = InnerTrainer(model, sampler, inner_config(config), device=device)
+        trainer = InnerTrainer(model, sampler, config.inner, device=device)
         session = cls(config, run, learner, region, stores, trainer, device=device)
         session.restore()
         return session

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage import layout
 from storage.codec import encode
 from storage.rounds import get_tensors, read_manifest

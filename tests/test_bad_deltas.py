@@ -19,8 +19,8 @@ from flows.outer_round import outer_round
 from storage import layout
 from storage.codec import MAX_HEADER_BYTES, encode, encode_wire
 from storage.rounds import read_manifest
-from tasks.audit import audit_run
-from tasks.compress import to_wire
+from flows.audit import audit_run
+from tasks.core.compress import to_wire
 
 RUN = "bad-deltas"
 HONEST = ["north-0", "south-0", "north-1", "south-1"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from storage.codec import CodecError, decode, encode, encode_wire, packed
-from tasks.compress import (
+from tasks.core.compress import (
     BLOCK,
     TERNARY_THRESHOLD,
     compress_with_feedback,
@@ -264,7 +264,7 @@ def test_integers_that_do_not_shrink_stay_packed_and_packed_objects_still_decode
 def test_objects_of_the_same_integers_deflated_differently_are_the_same_once_packed(monkeypatch):
     src = delta()
     fast = encode(src, META, "int4")
-    monkeypatch.setattr("tasks.compress.DEFLATE_LEVEL", 9)
+    monkeypatch.setattr("tasks.core.compress.DEFLATE_LEVEL", 9)
     slow = encode(src, META, "int4")
     assert fast != slow and packed(fast) == packed(slow)
     assert torch.equal(decode(fast)[0]["wte.weight"], decode(slow)[0]["wte.weight"])

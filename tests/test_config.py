@@ -11,7 +11,7 @@ from pydantic import ValidationError
 import s3fs
 
 from flows import cli
-from flows.config import ConfigError, RunConfig, load_config
+from tasks.core.config import ConfigError, RunConfig, load_config
 
 
 # -- the model itself -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 from conftest import STACK_REGIONS
 
 from storage.store import Stores
-from tasks.audit import audit_run
+from flows.audit import audit_run
 from tasks.crash import LEARNER_POINTS, POINTS
 
 REGIONS = STACK_REGIONS

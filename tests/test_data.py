@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from tasks.data import BatchSampler, eval_batches, evaluate, shard, split_held_out
-from tasks.model import build_model
+from tasks.core.data import BatchSampler, eval_batches, evaluate, shard, split_held_out
+from tasks.core.model import build_model
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes; byte i is i % 256, so windows are easy to check
 

@@ -14,9 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from infra.process import free_port
-from tasks.data import BatchSampler
-from tasks.inner import InnerConfig, InnerTrainer
-from tasks.model import build_model
+from tasks.core.data import BatchSampler
+from tasks.core.config import InnerSettings
+from tasks.core.inner import InnerTrainer
+from tasks.core.model import build_model
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 PHASE = ["--batch-size", "4", "--steps", "3"]
@@ -53,4 +54,4 @@ def test_two_ranks_give_the_delta_of_one_process_with_the_whole_batch(tmp_path):
 def test_ddp_needs_an_initialized_process_group():
     sampler = BatchSampler(bytes(range(256)) * 8, batch_size=2, block_size=16, seed=0)
     with pytest.raises(ValueError, match="torchrun"):
-        InnerTrainer(build_model("tiny", 0), sampler, InnerConfig(), ddp=True)
+        InnerTrainer(build_model("tiny", 0), sampler, InnerSettings(), ddp=True)

@@ -59,9 +59,9 @@ def test_an_evaluation_gives_the_same_loss_twice_without_importing_torch_dynamo(
     script = """
 import sys
 import torch
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from tasks.evaluate import held_out_loss
-from tasks.model import build_model, params_of
+from tasks.core.model import build_model, params_of
 config = RunConfig(run_id="eval-imports", regions=["north", "south"], eval_batches=1, speed={})
 theta = params_of(build_model(config.model, 0))
 first, again = held_out_loss(config, theta), held_out_loss(config, theta)

@@ -22,7 +22,7 @@ from fake_learner import delta_bytes, new_run, put
 from flows.outer_round import outer_round
 from infra.s3_server import client
 from storage import layout
-from tasks.audit import audit_run
+from flows.audit import audit_run
 
 RUN = "race-run"
 SYNCHRONIZER = (

@@ -4,12 +4,13 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from tasks.data import BatchSampler
-from tasks.inner import InnerConfig, InnerTrainer, carried, lr_at
-from tasks.model import build_model
+from tasks.core.data import BatchSampler
+from tasks.core.config import InnerSettings
+from tasks.core.inner import InnerTrainer, carried, lr_at
+from tasks.core.model import build_model
 
 DATA = bytes((i * 7 + i // 13) % 256 for i in range(8192))
-CFG = InnerConfig(lr=1e-3, warmup_steps=2, total_steps=20)
+CFG = InnerSettings(lr=1e-3, warmup_steps=2, total_steps=20)
 
 
 def make_trainer(model_seed=0, sampler_seed=0, **kwargs):
@@ -22,7 +23,7 @@ def base_weights(seed=0):
 
 
 def test_lr_schedule_points():
-    cfg = InnerConfig(lr=1e-3, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    cfg = InnerSettings(lr=1e-3, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(1e-4)
     assert lr_at(4, cfg) == pytest.approx(5e-4)
     assert lr_at(9, cfg) == pytest.approx(1e-3)
@@ -30,7 +31,7 @@ def test_lr_schedule_points():
     assert lr_at(60, cfg) == pytest.approx(5.5e-4)  # halfway down the cosine
     assert lr_at(110, cfg) == pytest.approx(1e-4)
     assert lr_at(10_000, cfg) == pytest.approx(1e-4)
-    assert lr_at(0, InnerConfig(warmup_steps=0)) == pytest.approx(1e-3)
+    assert lr_at(0, InnerSettings(warmup_steps=0)) == pytest.approx(1e-3)
 
 
 @pytest.mark.parametrize(
@@ -38,8 +39,8 @@ def test_lr_schedule_points():
     [({"lr": 0}, "lr"), ({"warmup_steps": 700}, "total_steps"), ({"min_lr_ratio": 2}, "min_lr_ratio"), ({"beta2": 1.0}, "beta2")],
 )
 def test_inner_config_errors_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"InnerConfig.{field}"):
-        InnerConfig(**kwargs)
+    with pytest.raises(ValueError, match=rf"(?s)InnerSettings.*\b{field}\b"):
+        InnerSettings(**kwargs)
 
 
 def test_weight_decay_only_on_matrices():

@@ -3,9 +3,10 @@ import random
 import pytest
 import torch
 
-from tasks.merge import Candidate, Dropped, MergeRule, Weighted, outer_step, plan_merge, weighted_average
+from tasks.core.config import MergeSettings
+from tasks.core.merge import Candidate, Dropped, Weighted, outer_step, plan_merge, weighted_average
 
-RULE = MergeRule(outer_lr=0.5, outer_momentum=0.9, staleness_lambda=0.5, max_staleness=4, token_cap=2.0)
+RULE = MergeSettings(outer_lr=0.5, outer_momentum=0.9, staleness_lambda=0.5, max_staleness=4, token_cap=2.0)
 A = Candidate("a", phase=3, base_round=10, tokens=1000)  # fresh
 B = Candidate("b", phase=2, base_round=9, tokens=1000)  # one round stale
 C = Candidate("c", phase=5, base_round=10, tokens=10_000)  # claims 10× its peers
@@ -59,10 +60,10 @@ def test_duplicate_candidates_are_refused():
 
 
 def test_merge_rule_validates():
-    with pytest.raises(ValueError, match="MergeRule.token_cap"):
-        MergeRule(token_cap=0.5)
-    with pytest.raises(ValueError, match="MergeRule.outer_momentum"):
-        MergeRule(outer_momentum=1.0)
+    with pytest.raises(ValueError, match=r"(?s)MergeSettings.*token_cap"):
+        MergeSettings(token_cap=0.5)
+    with pytest.raises(ValueError, match=r"(?s)MergeSettings.*outer_momentum"):
+        MergeSettings(outer_momentum=1.0)
 
 
 def test_merge_replays_bit_for_bit():

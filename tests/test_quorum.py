@@ -1,10 +1,11 @@
 import pytest
 
 from storage.manifest import Contribution
-from tasks.quorum import Decision, LearnerHistory, QuorumPolicy, decide
+from tasks.core.config import QuorumSettings
+from tasks.core.quorum import Decision, LearnerHistory, decide, grace_s
 from tasks.round_state import cycle, seen_lag
 
-POLICY = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0)
+POLICY = QuorumSettings(min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=300.0, grace_fraction=None)
 LEARNERS = ["a", "b", "c", "d"]
 START = 1000.0  # the round opens; its deadline is 1300
 
@@ -14,8 +15,8 @@ def history(**expected_phase):
     return {name: LearnerHistory(phase_seconds=list(s), last_arrival=last) for name, (last, s) in expected_phase.items()}
 
 
-def at(now, arrived, hist=None, policy=POLICY):
-    return decide(policy, START, now, arrived, LEARNERS, hist or {})
+def at(now, arrived, hist=None, policy=POLICY, listing_s=0.0):
+    return decide(policy, START, now, arrived, LEARNERS, hist or {}, listing_s)
 
 
 def test_expected_arrival():
@@ -29,23 +30,23 @@ def test_expected_arrival():
 
 def test_a_learner_is_waited_for_one_listing_period_past_its_expected_arrival():
     # c is expected at 1125; a delta landing then is seen at the next look, up to 2 s later.
-    listed = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0, listing_s=2.0)
+    listed = POLICY
     hist = history(c=(1020.0, [100.0, 110.0]))
     arrived = {"a": 1100.0, "b": 1110.0}
-    assert at(1110.0, arrived, hist, listed) == Decision(close=False, reason=None, recheck_at=1127.0, waiting_for=("c",))
-    assert at(1126.0, arrived, hist, listed).close is False
-    assert at(1127.0, arrived, hist, listed).reason == "quorum+grace"
+    assert at(1110.0, arrived, hist, listed, 2.0) == Decision(close=False, reason=None, recheck_at=1127.0, waiting_for=("c",))
+    assert at(1126.0, arrived, hist, listed, 2.0).close is False
+    assert at(1127.0, arrived, hist, listed, 2.0).reason == "quorum+grace"
     # Past the grace cap too: a learner expected right at the cap (1140) is still waited for 2 s.
     capped = history(c=(1020.0, [120.0]))
-    assert at(1110.0, arrived, capped, listed).recheck_at == 1142.0
+    assert at(1110.0, arrived, capped, listed, 2.0).recheck_at == 1142.0
     # Nobody worth waiting for: the listing period does not hold the round back.
-    assert at(1110.0, arrived, {}, listed).reason == "quorum+grace"
+    assert at(1110.0, arrived, {}, listed, 2.0).reason == "quorum+grace"
 
 
 def test_all_in_at_max_quorum():
     arrived = {"a": 1010.0, "b": 1020.0, "c": 1030.0, "d": 1040.0}
     assert at(1040.0, arrived) == Decision(close=True, reason="all-in", recheck_at=None, waiting_for=())
-    three = QuorumPolicy(min_quorum=2, max_quorum=3, grace_max_s=30.0, deadline_s=300.0)
+    three = QuorumSettings(min_quorum=2, max_quorum=3, grace_max_s=30.0, round_timeout_s=300.0, grace_fraction=None)
     assert at(1030.0, {"a": 1010.0, "b": 1020.0, "c": 1030.0}, policy=three).reason == "all-in"
     # Every listed learner is in: nobody is left to wait for, even below max_quorum.
     everyone = decide(POLICY, START, 1030.0, {"a": 1010.0, "b": 1020.0, "c": 1030.0}, ["a", "b", "c"], {})
@@ -79,11 +80,11 @@ def test_the_grace_is_capped_by_a_fraction_of_the_typical_phase():
     hist = history(a=(1090.0, [10.0, 10.0]), b=(1100.0, [10.0, 10.0]), c=(1101.0, [10.0]), d=(1075.0, [60.0]))
     arrived = {"a": 1100.0, "b": 1110.0}
     assert at(1110.0, arrived, hist).waiting_for == ("c", "d")
-    half = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0, grace_fraction=0.5)
-    assert half.grace_s(hist) == 5.0  # the median phase is 10 s
+    half = QuorumSettings(min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=300.0, grace_fraction=0.5)
+    assert grace_s(half, hist) == 5.0  # the median phase is 10 s
     assert at(1110.0, arrived, hist, policy=half) == Decision(close=False, reason=None, recheck_at=1111.0, waiting_for=("c",))
     assert at(1111.0, arrived, hist, policy=half).close is True
-    assert half.grace_s({}) == 30.0  # no history yet: the fixed cap
+    assert grace_s(half, {}) == 30.0  # no history yet: the fixed cap
 
 
 def test_closes_at_quorum_when_the_missing_are_expected_after_the_grace_cap_or_unknown():
@@ -121,7 +122,7 @@ def test_timeout_with_no_arrivals():
 
 
 def test_deadline_cuts_the_grace_window_short():
-    short = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=120.0)  # deadline 1120
+    short = QuorumSettings(min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=120.0, grace_fraction=None)  # deadline 1120
     hist = history(c=(1020.0, [105.0]))  # expected 1125
     arrived = {"a": 1100.0, "b": 1110.0}
     assert at(1111.0, arrived, hist, short) == Decision(close=False, reason=None, recheck_at=1120.0, waiting_for=("c",))
@@ -135,14 +136,19 @@ def test_deadline_cuts_the_grace_window_short():
         ({"min_quorum": 3, "max_quorum": 2}, "max_quorum"),
         ({"grace_max_s": -1.0}, "grace_max_s"),
         ({"grace_fraction": -0.5}, "grace_fraction"),
-        ({"deadline_s": 0.0}, "deadline_s"),
-        ({"listing_s": -0.1}, "listing_s"),
+        ({"round_timeout_s": 0.0}, "round_timeout_s"),
+        ({"poll_s": 0.0}, "poll_s"),
     ],
 )
 def test_invalid_policy_names_the_field(kwargs, field):
-    fields = {"min_quorum": 1, "max_quorum": 2, "grace_max_s": 10.0, "deadline_s": 60.0} | kwargs
-    with pytest.raises(ValueError, match=f"QuorumPolicy.{field}"):
-        QuorumPolicy(**fields)
+    fields = {"min_quorum": 1, "max_quorum": 2, "grace_max_s": 10.0, "round_timeout_s": 60.0} | kwargs
+    with pytest.raises(ValueError, match=field):
+        QuorumSettings(**fields)
+
+
+def test_a_negative_listing_period_is_refused():
+    with pytest.raises(ValueError, match="listing_s"):
+        decide(POLICY, START, START, {}, LEARNERS, {}, listing_s=-0.1)
 
 
 def merged(phase: int, finished_at: float, seen_at: float | None) -> Contribution:
@@ -178,11 +184,10 @@ def test_a_learner_whose_last_delta_missed_a_round_is_waited_for_in_the_next():
     # c's previous delta landed at 1100, after the round before closed: the manifests merged c's
     # delta of 1096.5 last, so they expect it at 1100, which has passed. Seen in this round, the
     # late delta makes its fresh one due at 1103.5, inside the grace window of a and b's quorum.
-    policy = QuorumPolicy(min_quorum=2, max_quorum=4, grace_max_s=30.0, deadline_s=300.0, grace_fraction=0.5,
-                          listing_s=0.5)
+    policy = QuorumSettings(min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=300.0, grace_fraction=0.5)
     merged = {"c": LearnerHistory([3.5, 3.5], 1096.5, cycle_s=3.5)}
     fresh = {"a": 1102.5, "b": 1103.0}
-    assert at(1103.0, fresh, merged, policy).reason == "quorum+grace"
+    assert at(1103.0, fresh, merged, policy, 0.5).reason == "quorum+grace"
     seen = {"c": merged["c"].seen(1100.0, 3.5)}
-    assert at(1103.0, fresh, seen, policy) == Decision(close=False, reason=None, recheck_at=1104.0, waiting_for=("c",))
-    assert at(1104.0, fresh, seen, policy).reason == "quorum+grace"
+    assert at(1103.0, fresh, seen, policy, 0.5) == Decision(close=False, reason=None, recheck_at=1104.0, waiting_for=("c",))
+    assert at(1104.0, fresh, seen, policy, 0.5).reason == "quorum+grace"

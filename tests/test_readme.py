@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -9,10 +9,10 @@ import torch
 from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, sync_diloco
 from benchmarks.replay import Schedule, replay
-from tasks.merge import MergeRule
-from tasks.model import build_model, params_of
+from tasks.core.config import MergeSettings
+from tasks.core.model import build_model, params_of
 
-RULE = MergeRule(outer_lr=0.7, outer_momentum=0.9)
+RULE = MergeSettings(outer_lr=0.7, outer_momentum=0.9)
 BUDGET = Budget(steps=4, warmup=1)
 
 

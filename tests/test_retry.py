@@ -21,7 +21,7 @@ from flows.cli import wait_for_learner_deployment
 from infra.process import stop_group
 from storage import layout
 from storage.rounds import read_manifest
-from tasks.audit import audit_run
+from flows.audit import audit_run
 
 RUN = "retry-run"
 DEPLOYMENT = "outer-round/retry-test"

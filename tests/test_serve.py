@@ -142,7 +142,7 @@ import inspect
 import cloudpickle
 import prefect.flow_engine
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from flows.serve import fork_flow_runs
 from flows.training_run import training_run
 from probe import imported
@@ -182,14 +182,15 @@ from flows.serve import PRELOAD
 for name in PRELOAD:
     importlib.import_module(name)
 before = set(sys.modules)
-from tasks.data import BatchSampler
-from tasks.inner import InnerConfig, InnerTrainer
-from tasks.model import build_model
+from tasks.core.data import BatchSampler
+from tasks.core.config import InnerSettings
+from tasks.core.inner import InnerTrainer
+from tasks.core.model import build_model
 from storage.store import Stores
 
 Stores("s3://islands-{bucket}", ["north"])  # what a learner opens first: fsspec imports s3fs for it
 model = build_model("tiny", 0)
-InnerTrainer(model, BatchSampler(os.urandom(1 << 16), 2, model.config.block_size, seed=0), InnerConfig()).train_step()
+InnerTrainer(model, BatchSampler(os.urandom(1 << 16), 2, model.config.block_size, seed=0), InnerSettings()).train_step()
 print(len(set(sys.modules) - before), sorted(set(sys.modules) - before)[:10])
 """
 

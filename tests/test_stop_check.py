@@ -1,7 +1,7 @@
 """A learner asks storage whether to stop on its training thread, before every step and every
 phase; the asks are rate-limited so they cost two requests every few seconds, not every step."""
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage import layout
 from storage.store import Stores
 from tasks import train_phase

@@ -4,29 +4,29 @@ hold one tensor at a time however many deltas there are."""
 
 from __future__ import annotations
 
-import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import weakref
 
-import pytest
 import torch
 
-from flows.config import RunConfig
+from tasks.core.config import RunConfig
 from storage import layout
 from storage.codec import TensorFile, decode, encode, encode_state, encode_wire
 from storage.manifest import Excluded
 from storage.rounds import checkpoint_metadata, get_tensors, put_tensors, update_metadata
 from storage.store import Stores, sha256_hex
 from tasks.collect import Arrival, inspect, inspect_all
-from tasks.compress import residual_state, to_wire
-from tasks.merge import encode_update, merge_round
-from tasks.merge_step import Merged, apply_merge, merge_rule
-from tasks.model import build_model
+from tasks.core.compress import residual_state, to_wire
+from tasks.core.merge import encode_update, merge_round
+from tasks.merge_step import Merged, apply_merge
+from tasks.core.model import build_model
 from tasks.publish import write_objects
-from tasks.round_state import RoundState, remove_dead_spools
+from tasks.round_state import RoundState
+from storage.spool import remove_dead
 
 RUN = "stream"
 REGIONS = ["east", "west"]
@@ -67,12 +67,12 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
         parent_momentum = {k: v.clone() for k, v in state.momentum.items()}
         arrivals = inspect_all(state, [(region, key, len(data)) for (region, key), data in written.items()])
         assert all(isinstance(a, Arrival) for a in arrivals), arrivals
-        model, momentum, model_object, update, outer, weighted, _ = apply_merge(state, arrivals, merge_rule(state.config))
+        model, momentum, model_object, update, outer, weighted, _ = apply_merge(state, arrivals, state.config.merge)
 
         by_learner = {a.learner: decode(written[(a.region, a.key)])[0] for a in arrivals}
         target, want_momentum = merge_round(
             parent_model, parent_momentum, [by_learner[w.candidate.learner] for w in weighted],
-            [w.weight for w in weighted], merge_rule(state.config),
+            [w.weight for w in weighted], state.config.merge,
         )
         want_update, want_model, want_residual = encode_update(parent_model, target, {}, state.config.update_codec)
         for name in want_model:
@@ -106,7 +106,7 @@ def test_the_rounds_three_objects_go_up_side_by_side_as_merged(tmp_path, monkeyp
     to begin), and what lands is the merge's bytes under their content addresses."""
     state, written = round_state(tmp_path, 2)
     arrivals = inspect_all(state, [(region, key, len(data)) for (region, key), data in written.items()])
-    model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, merge_rule(state.config))
+    model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, state.config.merge)
     store, started = state.stores.global_, threading.Barrier(3, timeout=30)
     put = store.put_or_verify
 
@@ -163,21 +163,27 @@ def test_hostile_deltas_are_quarantined_with_their_reason_and_leave_no_spool_fil
 
 def test_a_killed_synchronizers_spool_is_removed_by_the_next_one(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # its pid now names no process
-    dead = tmp_path / f"islands-spool-{RUN}-pid{gone.pid}-round000003-ab_1"
-    other_run = tmp_path / f"islands-spool-{RUN}-2-pid{gone.pid}-round000003-ab_1"
-    live = tmp_path / f"islands-spool-{RUN}-pid{os.getppid()}-round000003-cd_2"
+    holder = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(flush=True); time.sleep(60)"
+    dead = tmp_path / f"islands-spool-{RUN}-round000003-ab_1"
+    other_run = tmp_path / f"islands-spool-{RUN}-2-round000003-ab_1"
+    live = tmp_path / f"islands-spool-{RUN}-round000003-cd_2"
     for folder in (dead, other_run, live):
         folder.mkdir()
         (folder / "east.east-0.000003.safetensors").write_bytes(b"spooled")
-    state, _ = round_state(tmp_path / "buckets", 2)
-    mine = state.spool_dir
-    assert not dead.exists() and other_run.exists() and live.exists()
-    assert mine.parent == tmp_path and f"-pid{os.getpid()}-round000001-" in mine.name
-    assert remove_dead_spools(RUN) == []  # this process is alive: its spool stays
-    state.drop_spool()
-    assert not mine.exists()
+    owner = subprocess.Popen([sys.executable, "-c", holder, str(live)], stdout=subprocess.PIPE)
+    try:
+        owner.stdout.readline()  # it holds the live folder's lock now
+        state, _ = round_state(tmp_path / "buckets", 2)
+        mine = state.spool_dir
+        assert not dead.exists() and other_run.exists() and live.exists()
+        assert mine.parent == tmp_path and f"{RUN}-round000001-" in mine.name
+        assert remove_dead(RUN) == []  # this process is alive: its spool stays
+        state.drop_spool()
+        assert not mine.exists()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert remove_dead(RUN) == [live]  # its owner is gone: nobody holds the lock
 
 
 def _peak_live_decoded_bytes(tmp_path, k: int, monkeypatch) -> tuple[int, int]:
@@ -197,7 +203,7 @@ def _peak_live_decoded_bytes(tmp_path, k: int, monkeypatch) -> tuple[int, int]:
     state, written = round_state(tmp_path / f"k{k}", k)
     arrivals = [inspect(state, region, key, len(data)) for (region, key), data in written.items()]
     assert live[0] == 0, "an arrival holds decoded tensors"
-    apply_merge(state, arrivals, merge_rule(state.config))
+    apply_merge(state, arrivals, state.config.merge)
     state.drop_spool()
     return peak[0], max(t.numel() * 4 for t in state.model.values())
 

@@ -15,8 +15,8 @@ from storage.codec import decode, decode_state, encode_state, encode_wire
 from storage.manifest import Manifest, ObjectRef
 from storage.rounds import checkpoint_metadata
 from storage.store import ObjectStore, sha256_hex
-from tasks.compress import CODECS, residual_state, split_residual
-from tasks.merge import apply_update, encode_update, outer_step
+from tasks.core.compress import CODECS, residual_state, split_residual
+from tasks.core.merge import apply_update, encode_update, outer_step
 
 RUN = "run-down"
 ROUNDS = 6

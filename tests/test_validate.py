@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tasks.validate import REQUIRED_METADATA, check_metadata, check_tensor, check_tensors, global_norm, norm_outliers
+from tasks.core.validate import REQUIRED_METADATA, check_metadata, check_tensor, check_tensors, global_norm, norm_outliers
 
 RUN, LEARNER, PHASE, ROUND = "run-abc", "us-east-0", 4, 7
 

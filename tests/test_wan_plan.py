@@ -3,7 +3,7 @@
 import pytest
 
 from flows.cli import main
-from tasks.wan_plan import (
+from tasks.core.plan import (
     PAPER_DILOCO_GBPS,
     PAPER_DP_GBPS,
     Workload,

@@ -14,7 +14,7 @@ from storage.codec import encode_state, packed
 from tasks import audit, compress
 from storage.rounds import checkpoint_metadata, read_manifest
 from storage.store import sha256_hex
-from tasks.audit import audit_run
+from flows.audit import audit_run
 from tasks.train_phase import HeldRound, LearnerSession
 
 RUN = "way-down-run"
@@ -58,7 +58,7 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
 
     theta1, way, from_global, _ = reads(first, 1)
     assert way == "update" and round1.update.bytes <= from_global < round1.model.bytes
-    # Each contribution's tokens per second, which paced phases scale H by (tasks.pace).
+    # Each contribution's tokens per second, which paced phases scale H by (tasks.core.pace).
     assert held(first)[1].rates == {c.learner: c.tokens / c.seconds for c in round1.contributions}
     assert set(held(first)[1].rates) == {"north-0", "south-0"}
     assert stores.region("north").exists(layout.cache_key(RUN, round1.update.key))

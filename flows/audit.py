@@ -26,15 +26,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from pydantic import ValidationError
 
-from flows.config import RunConfig
 from storage import layout
 from storage.codec import CodecError, decode, decode_state, encode_state, encode_wire, packed, read_header
 from storage.manifest import Contribution, Manifest, ObjectRef
 from storage.rounds import checkpoint_metadata, object_header, read_config, read_evaluation
 from storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
-from tasks.compress import residual_state, split_residual
-from tasks.merge import Candidate, MergeRule, apply_update, encode_update, merge_round, plan_merge
-from tasks.model import PRESETS, build_model
+from tasks.core.compress import residual_state, split_residual
+from tasks.core.config import MergeSettings
+from tasks.core.merge import Candidate, apply_update, encode_update, merge_round, plan_merge
+from tasks.core.model import PRESETS, build_model
 
 LEDGER = ("trained", "applied", "dropped", "pending", "lost")
 RULE_FIELDS = ("outer_lr", "outer_momentum", "staleness_lambda", "max_staleness", "token_cap")
@@ -106,7 +106,7 @@ def audit_run(stores: Stores, run: str, replay: bool) -> AuditReport:
 class _Audit:
     def __init__(self, stores: Stores, run: str, replay: bool):
         self.stores, self.run_id, self.replay = stores, run, replay
-        self.config = RunConfig.model_validate(read_config(stores.global_, run))
+        self.config = read_config(stores.global_, run)
         self.report = AuditReport(run=run, replayed=0 if replay else None)
         self.named: dict[str, int] = {}  # delta key → the round whose manifest named it
         self.merged: dict[str, tuple[int, str]] = {}  # delta sha256 → (round, key) that merged it
@@ -283,7 +283,7 @@ class _Audit:
         if any(b is None for b in unverified) or (r > 1 and parent.outer is None):
             self.report.notes.append(f"round {r} not replayed: its own or its parent's checkpoint failed the checks above")
             return
-        rule = MergeRule(**{k: m.hyper[k] for k in RULE_FIELDS})
+        rule = MergeSettings(**{k: m.hyper[k] for k in RULE_FIELDS})
         if not self.plan_matches(r, current.key, m, rule):
             return
         deltas = [self.delta_tensors(c.region, c.key, c.sha256) for c in m.contributions]
@@ -305,7 +305,7 @@ class _Audit:
         if all([self.same_bits(r, ref, replayed) for ref, replayed in checks]):
             self.report.replayed += 1
 
-    def plan_matches(self, r: int, key: str, m: Manifest, rule: MergeRule) -> bool:
+    def plan_matches(self, r: int, key: str, m: Manifest, rule: MergeSettings) -> bool:
         """The merge rule, run again over the recorded candidates, gives the recorded weights and drops."""
         dropped = [e for e in m.excluded if e.kind == "dropped"]
         candidates = [Candidate(c.learner, c.phase, c.base_round, c.tokens) for c in m.contributions]

@@ -7,39 +7,16 @@ control of waiting (it can sleep until `recheck_at` or until the next delta land
 import statistics
 from dataclasses import dataclass, replace
 
+from tasks.core.config import QuorumSettings
 
-@dataclass(frozen=True)
-class QuorumPolicy:
-    min_quorum: int
-    max_quorum: int
-    grace_max_s: float
-    deadline_s: float
-    grace_fraction: float | None = None  # also cap the grace at this fraction of a typical phase
-    listing_s: float = 0.0  # a delta can land this long before it is seen: the listing period
 
-    def grace_s(self, history: dict[str, "LearnerHistory"]) -> float:
-        """The grace window: grace_max_s, and at most grace_fraction × the median recent phase time
-        (so a fixed number of seconds does not hold back rounds whose phases take less)."""
-        phases = [s for h in history.values() for s in h.phase_seconds]
-        if self.grace_fraction is None or not phases:
-            return self.grace_max_s
-        return min(self.grace_max_s, self.grace_fraction * statistics.median(phases))
-
-    def __post_init__(self):
-        if self.min_quorum < 1:
-            raise ValueError(f"QuorumPolicy.min_quorum must be at least 1, got {self.min_quorum}")
-        if self.max_quorum < self.min_quorum:
-            raise ValueError(
-                f"QuorumPolicy.max_quorum ({self.max_quorum}) must be >= min_quorum ({self.min_quorum})"
-            )
-        if self.grace_max_s < 0:
-            raise ValueError(f"QuorumPolicy.grace_max_s must be >= 0 seconds (0: no grace), got {self.grace_max_s}")
-        if self.deadline_s <= 0:
-            raise ValueError(f"QuorumPolicy.deadline_s must be positive seconds, got {self.deadline_s}")
-        if self.listing_s < 0:
-            raise ValueError(f"QuorumPolicy.listing_s must be >= 0 seconds, got {self.listing_s}")
-        if self.grace_fraction is not None and self.grace_fraction < 0:
-            raise ValueError(f"QuorumPolicy.grace_fraction must be >= 0 (0: no grace), got {self.grace_fraction}")
+def grace_s(settings: QuorumSettings, history: dict[str, "LearnerHistory"]) -> float:
+    """The grace window: grace_max_s, and at most grace_fraction × the median recent phase time
+    (so a fixed number of seconds does not hold back rounds whose phases take less)."""
+    phases = [s for h in history.values() for s in h.phase_seconds]
+    if settings.grace_fraction is None or not phases:
+        return settings.grace_max_s
+    return min(settings.grace_max_s, settings.grace_fraction * statistics.median(phases))
 
 
 @dataclass
@@ -80,31 +57,36 @@ class Decision:
 
 
 def decide(
-    policy: QuorumPolicy,
+    policy: QuorumSettings,
     started_at: float,
     now: float,
     arrived: dict[str, float],
     learners: list[str],
     history: dict[str, LearnerHistory],
+    listing_s: float = 0.0,
 ) -> Decision:
-    """Close at max_quorum, or after a grace window past min_quorum, or at the hard deadline.
+    """Close at max_quorum (every learner when unset), or after a grace window past min_quorum,
+    or at the hard deadline `round_timeout_s` after `started_at`.
 
     The grace window waits only for missing learners expected (from their recent phase times) by
-    the quorum time + the grace (`QuorumPolicy.grace_s`), and for one listing period past their
-    expected arrival, since a delta that lands right after a look is seen a period later; a
-    learner with no history is not waited for.
+    the quorum time + the grace (`grace_s`), and for one listing period (`listing_s`: a delta can
+    land that long before the caller sees it) past their expected arrival; a learner with no
+    history is not waited for.
     """
+    if listing_s < 0:
+        raise ValueError(f"listing_s must be >= 0 seconds, got {listing_s}")
     missing = tuple(sorted(name for name in learners if name not in arrived))
-    deadline = started_at + policy.deadline_s
-    if len(arrived) >= policy.max_quorum or (learners and not missing):
+    deadline = started_at + policy.round_timeout_s
+    max_quorum = policy.max_quorum or len(learners)
+    if len(arrived) >= max_quorum or (learners and not missing):
         return Decision(close=True, reason="all-in", recheck_at=None, waiting_for=())
 
     if len(arrived) >= policy.min_quorum:
         quorum_at = sorted(arrived.values())[policy.min_quorum - 1]
-        grace_end = quorum_at + policy.grace_s(history)
+        grace_end = quorum_at + grace_s(policy, history)
         expected = {name: history[name].expected_arrival() if name in history else None for name in missing}
         worth_waiting = {name: t for name, t in expected.items() if t is not None and t <= grace_end}
-        close_at = min(max(worth_waiting.values(), default=quorum_at), grace_end) + policy.listing_s
+        close_at = min(max(worth_waiting.values(), default=quorum_at), grace_end) + listing_s
         if not worth_waiting or now >= close_at:
             return Decision(close=True, reason="quorum+grace", recheck_at=None, waiting_for=())
         waiting_for = tuple(sorted(worth_waiting))

@@ -18,38 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.data import BatchSampler
-from tasks.model import GPT, autocast_context
-
-
-@dataclass(frozen=True)
-class InnerConfig:
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    total_steps: int = 600
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-
-    def __post_init__(self):
-        if self.lr <= 0:
-            raise ValueError(f"InnerConfig.lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"InnerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.total_steps < self.warmup_steps:
-            raise ValueError(
-                f"InnerConfig.total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps})"
-            )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"InnerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"InnerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"InnerConfig.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+from tasks.core.config import InnerSettings
+from tasks.core.data import BatchSampler
+from tasks.core.model import GPT, autocast_context
 
 
 def _ddp_rank(batch_size: int) -> tuple[int, int]:
@@ -62,7 +33,7 @@ def _ddp_rank(batch_size: int) -> tuple[int, int]:
     return rank, world
 
 
-def lr_at(step: int, cfg: InnerConfig) -> float:
+def lr_at(step: int, cfg: InnerSettings) -> float:
     """Linear warmup to lr over warmup_steps, cosine down to min_lr_ratio·lr at total_steps, then flat."""
     min_lr = cfg.min_lr_ratio * cfg.lr
     if step < cfg.warmup_steps:
@@ -97,7 +68,7 @@ class InnerTrainer:
         self,
         model: GPT,
         sampler: BatchSampler,
-        cfg: InnerConfig,
+        cfg: InnerSettings,
         device: torch.device = torch.device("cpu"),
         *,
         clock: Callable[[], float] = time.perf_counter,

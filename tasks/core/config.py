@@ -31,15 +31,25 @@ class _Section(BaseModel):
 
 
 class InnerSettings(_Section):
-    """Each learner's own optimizer (AdamW); its state never leaves the learner."""
+    """Each learner's own optimizer (AdamW) and its schedule; its state never leaves the learner
+    (DiLoCo, arXiv 2311.08105: syncing it gave nothing)."""
 
     lr: float = Field(1e-3, gt=0, description="Peak inner AdamW learning rate.")
     warmup_steps: int = Field(50, ge=0, description="Linear warm-up, in inner steps.")
     total_steps: int = Field(600, gt=0, description="Inner steps over which the cosine decays to min_lr_ratio.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
-    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices and embeddings (0: none).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip (0: none).")
     batch_size: int = Field(16, gt=0, description="Sequences per inner step.")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "InnerSettings":
+        if self.total_steps < self.warmup_steps:
+            raise ValueError(f"total_steps: {self.total_steps} is shorter than warmup_steps {self.warmup_steps}; "
+                             "the cosine must start after the warm-up")
+        return self
 
 
 class MergeSettings(_Section):
@@ -60,11 +70,18 @@ class QuorumSettings(_Section):
     min_quorum: int = Field(2, ge=1, description="Q_min: learners with a fresh delta needed before the grace window opens.")
     max_quorum: int | None = Field(None, ge=1, description="Q_max: close at once with this many (default: every learner).")
     grace_max_s: float = Field(20.0, ge=0, description="Longest extra wait for learners expected soon after Q_min.")
-    grace_fraction: float = Field(
-        0.5, ge=0, description="The grace is also at most this fraction of the median recent phase time."
+    grace_fraction: float | None = Field(
+        0.5, ge=0, description="The grace is also at most this fraction of the median recent phase time (empty: grace_max_s alone)."
     )
     round_timeout_s: float = Field(600.0, gt=0, description="Hard deadline of a round, from its start (round 1's includes the learners' start-up); merge what arrived, or fail with none.")
     poll_s: float = Field(0.5, gt=0, description="How often the synchronizer lists the regional buckets.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "QuorumSettings":
+        if self.max_quorum is not None and self.max_quorum < self.min_quorum:
+            raise ValueError(f"max_quorum: must lie between min_quorum ({self.min_quorum}) and the number of learners, "
+                             f"got {self.max_quorum}")
+        return self
 
 
 class RunConfig(BaseModel):
@@ -240,6 +257,10 @@ def explain(exc: ValidationError) -> str:
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "config"
         msg = err["msg"].removeprefix("Value error, ")
+        named = re.fullmatch(r"([a-z_][a-z0-9_.]*): (.*)", msg, flags=re.S)
+        if err["type"] == "value_error" and named:  # a check across fields names the one to change
+            where = ".".join([*(str(p) for p in err["loc"]), named[1]])
+            msg = named[2]
         if err["type"] == "extra_forbidden":
             msg = "unknown field; remove it or check its spelling against the README's config reference"
         lines.append(f"{where}: {msg}")

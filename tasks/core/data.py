@@ -6,7 +6,7 @@ and restored, so a learner that restarts sees exactly the batches it would have 
 
 import torch
 
-from tasks.model import autocast_context
+from tasks.core.model import autocast_context
 
 
 def split_held_out(data: bytes, fraction: float = 0.05) -> tuple[bytes, bytes]:

@@ -15,30 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.compress import compress_with_feedback
+from tasks.core.compress import compress_with_feedback
+from tasks.core.config import MergeSettings
 
 RESIDUAL_DTYPE = torch.bfloat16  # the synchronizer's error-feedback residual
-
-
-@dataclass(frozen=True)
-class MergeRule:
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.8
-    staleness_lambda: float = 0.5
-    max_staleness: int = 4
-    token_cap: float = 2.0  # a claim counts at most token_cap × the median claim of the other candidates
-
-    def __post_init__(self):
-        if self.outer_lr <= 0:
-            raise ValueError(f"MergeRule.outer_lr must be positive, got {self.outer_lr}")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(f"MergeRule.outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.staleness_lambda < 0:
-            raise ValueError(f"MergeRule.staleness_lambda must be >= 0, got {self.staleness_lambda}")
-        if self.max_staleness < 0:
-            raise ValueError(f"MergeRule.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.token_cap < 1.0:
-            raise ValueError(f"MergeRule.token_cap must be >= 1 (a multiple of the median), got {self.token_cap}")
 
 
 @dataclass(frozen=True)
@@ -64,7 +44,7 @@ class Dropped:
 
 
 def plan_merge(
-    round_: int, candidates: list[Candidate], rule: MergeRule
+    round_: int, candidates: list[Candidate], rule: MergeSettings
 ) -> tuple[list[Weighted], list[Dropped]]:
     """Weigh each candidate by tokens / (1 + λ·staleness); drop the ones that cannot be merged.
 
@@ -160,7 +140,7 @@ def merge_tensor_(
     momentum: torch.Tensor | None,
     deltas: Iterable[torch.Tensor],
     weights: list[float],
-    rule: MergeRule,
+    rule: MergeSettings,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One parameter of a round, in place: the weighted average of its deltas, then the outer
     step. Whole-model merges and the synchronizer's tensor-by-tensor merge both come here."""
@@ -172,7 +152,7 @@ def merge_round(
     momentum: dict[str, torch.Tensor] | None,
     deltas: list[dict[str, torch.Tensor]],
     weights: list[float],
-    rule: MergeRule,
+    rule: MergeSettings,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """θ_r and the new momentum from the parent's θ and momentum and the weighted deltas (inputs
     left as they are).
