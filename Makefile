@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test bench bench-quick up install clean
+.PHONY: run test lint bench bench-quick up install clean
 
 # Every process these commands start (servers, learners, the CLI) imports torch and Prefect.
 # Python saves what it compiles on first import unless PYTHONDONTWRITEBYTECODE is set, as it is
@@ -28,7 +28,13 @@ run: $(STAMP)
 up: $(STAMP)
 	$(BIN)/islands up
 
-test: $(STAMP)
+# The house's rules first (seconds): style, formatting, and imports that point down only.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+test: lint
 	$(BIN)/pytest -q
 
 bench: $(STAMP)

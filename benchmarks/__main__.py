@@ -27,8 +27,21 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import (codec, dataplane, eval_cadence, faults, learner_start, pipeline, prefect_start, quality,
-                        s3_endpoint, scaling, schedule, utilization, wire)
+from benchmarks import (
+    codec,
+    dataplane,
+    eval_cadence,
+    faults,
+    learner_start,
+    pipeline,
+    prefect_start,
+    quality,
+    s3_endpoint,
+    scaling,
+    schedule,
+    utilization,
+    wire,
+)
 from benchmarks.report import Result, Row, at_most, print_report, report, timed
 
 BENCHMARKS = {
@@ -68,21 +81,40 @@ def time_budget(results: list[Result], total_s: float, quick: bool) -> Result:
         res.rows.append(at_most("time: --quick suite, minutes", total_s / 60, QUICK_MINUTES, "see the parts' seconds"))
         return res
     if sorted(r.name for r in results) == sorted(SUITE):
-        res.rows.append(at_most("time: whole suite, minutes", total_s / 60, SUITE_MINUTES,
-                                "the mandated token budgets are compute-bound on 2 cores; see the parts' seconds"))
+        res.rows.append(
+            at_most(
+                "time: whole suite, minutes",
+                total_s / 60,
+                SUITE_MINUTES,
+                "the mandated token budgets are compute-bound on 2 cores; see the parts' seconds",
+            )
+        )
     for r in results:
-        res.rows.append(at_most(f"time: {r.name}, minutes", r.seconds / 60, PART_MINUTES,
-                                "learner compute at this budget on 2 cores plus per-round overhead"))
+        res.rows.append(
+            at_most(
+                f"time: {r.name}, minutes",
+                r.seconds / 60,
+                PART_MINUTES,
+                "learner compute at this budget on 2 cores plus per-round overhead",
+            )
+        )
     return res
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="toy sizes: a smoke test of every path in a few minutes")
-    p.add_argument("--only", action="append", choices=sorted(BENCHMARKS), metavar="NAME",
-                   help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}; "
-                        f"without it, the suite: {', '.join(SUITE)}")
-    p.add_argument("--out", type=Path, default=Path(".islands/bench"), help="where each part's report is written as it finishes")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(BENCHMARKS),
+        metavar="NAME",
+        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}; "
+        f"without it, the suite: {', '.join(SUITE)}",
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path(".islands/bench"), help="where each part's report is written as it finishes"
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results, failed, t0, previous = [], False, time.monotonic(), None
@@ -96,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
             failed = True
             traceback.print_exc()
-            res = Result(name, rows=[Row(f"{name}: did not complete", None, "runs", False, f"{type(exc).__name__}: {exc}")])
+            res = Result(
+                name, rows=[Row(f"{name}: did not complete", None, "runs", False, f"{type(exc).__name__}: {exc}")]
+            )
             res.seconds = time.monotonic() - started  # what it spent before failing counts in the suite's time
         results.append(res)
         (args.out / f"{name}{'-quick' if args.quick else ''}.md").write_text(report([res], args.quick))

@@ -16,8 +16,8 @@ import torch
 import torch._dynamo  # noqa: F401 - torch.optim imports it at the first optimizer: here once, not in every fork
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
-from tasks.core.data import BatchSampler, shard
 from tasks.core.config import InnerSettings
+from tasks.core.data import BatchSampler, shard
 from tasks.core.inner import InnerTrainer
 from tasks.core.model import build_model, params_of
 

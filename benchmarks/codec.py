@@ -25,7 +25,6 @@ from benchmarks.retrace import retrace, trace
 from benchmarks.wire import INT4_LOSS_BAR, INT4_UPDATES, loss_pair, wire_budget
 from tasks.core.config import RunConfig
 
-
 REFERENCE = (RunConfig().codec, RunConfig().update_codec)  # the pipeline's defaults
 INT4_CODECS = ("int4", INT4_UPDATES)  # the wire part's int4 run
 VARIANTS = {  # (delta codec, update codec): what each is there to show
@@ -49,8 +48,10 @@ def run(quick: bool) -> Result:
     b, h = wire_budget(quick), hs(quick)[0]
     rule = RunConfig().merge
     cases = schedules(h)
-    timing = {what: {k: v for k, v in s.__dict__.items() if k not in ("codec", "update_codec")}  # codecs: raw
-              for what, s in cases.items()}
+    timing = {
+        what: {k: v for k, v in s.__dict__.items() if k not in ("codec", "update_codec")}  # codecs: raw
+        for what, s in cases.items()
+    }
     res = Result("codec", settings={"budget": b.__dict__, "H": h, "schedules": timing, "rule": rule.__dict__})
     for what, schedule in cases.items():
         losses = {}
@@ -59,11 +60,16 @@ def run(quick: bool) -> Result:
             losses[codecs] = heldout.loss(theta)
             res.raw["%s: %s deltas, %s updates" % (what, *codecs)] = {"loss": losses[codecs], **facts}
         for codecs, shows in VARIANTS.items():
-            res.rows.append(at_most(f"codec replay, H={h}, {what}: {codecs[0]} deltas, {codecs[1]} updates / "
-                                    f"{REFERENCE[0]} deltas, {REFERENCE[1]} updates ({shows})",
-                                    losses[codecs] / losses[REFERENCE], INT4_LOSS_BAR,
-                                    "what the update codec drops each round: the learners train from each round as "
-                                    "published, off by that until error feedback sends it a round later"))
+            res.rows.append(
+                at_most(
+                    f"codec replay, H={h}, {what}: {codecs[0]} deltas, {codecs[1]} updates / "
+                    f"{REFERENCE[0]} deltas, {REFERENCE[1]} updates ({shows})",
+                    losses[codecs] / losses[REFERENCE],
+                    INT4_LOSS_BAR,
+                    "what the update codec drops each round: the learners train from each round as "
+                    "published, off by that until error feedback sends it a round later",
+                )
+            )
     return res
 
 
@@ -89,17 +95,22 @@ def run_live(quick: bool) -> Result:
         res.raw["%s deltas, %s updates: the run" % schedule_of] = {"live_loss": live[schedule_of], **facts}
         res.raw["%s deltas, %s updates: its schedule replayed" % schedule_of] = {
             "rebuilds the published model bit for bit": rebuilt,
-            **{"%s deltas, %s updates" % codecs: losses[schedule_of, codecs] for codecs in runs}}
+            **{"%s deltas, %s updates" % codecs: losses[schedule_of, codecs] for codecs in runs},
+        }
     for schedule_of in runs:
-        res.rows.append(at_most(
-            "codec on a live schedule, H=%d, the %s run's: %s deltas, %s updates / %s deltas, %s updates" % (
-                hs(quick)[0], schedule_of[0], *INT4_CODECS, *REFERENCE),
-            losses[schedule_of, INT4_CODECS] / losses[schedule_of, REFERENCE], INT4_LOSS_BAR,
-            "what the codecs drop, on the schedule this run's timing gave it"))
+        res.rows.append(
+            at_most(
+                "codec on a live schedule, H=%d, the %s run's: %s deltas, %s updates / %s deltas, %s updates"
+                % (hs(quick)[0], schedule_of[0], *INT4_CODECS, *REFERENCE),
+                losses[schedule_of, INT4_CODECS] / losses[schedule_of, REFERENCE],
+                INT4_LOSS_BAR,
+                "what the codecs drop, on the schedule this run's timing gave it",
+            )
+        )
     res.raw["schedules alone, fp32 wire: the int4 run's / the fp32 run's"] = (
-        losses[INT4_CODECS, REFERENCE] / losses[REFERENCE, REFERENCE])
-    res.raw["live, as the wire part measures it: the int4 run / the fp32 run"] = (
-        live[INT4_CODECS] / live[REFERENCE])
+        losses[INT4_CODECS, REFERENCE] / losses[REFERENCE, REFERENCE]
+    )
+    res.raw["live, as the wire part measures it: the int4 run / the fp32 run"] = live[INT4_CODECS] / live[REFERENCE]
     return res
 
 

@@ -28,12 +28,12 @@ import fsspec
 import torch
 
 from benchmarks.report import Result, Row, at_least, at_most, standalone
-from tasks.core.config import RunConfig
 from storage import layout
 from storage.codec import encode
 from storage.manifest import ObjectRef
 from storage.rounds import get_tensors, put_tensors
 from storage.store import Stores
+from tasks.core.config import RunConfig
 from tasks.core.model import GPT, GPTConfig
 
 STORE = "s3://islands-{bucket}"
@@ -62,8 +62,18 @@ def write_inputs(cfg: GPTConfig, k: int, stores: Stores) -> dict:
         "deltas": [],
     }
     for learner, region, _ in conf.learners():
-        meta = {"run": run, "learner": learner, "region": region, "phase": 0, "base_round": 0, "inner_steps": 50,
-                "tokens": 102400, "loss": 3.0, "seconds": 1.0, "finished_at": time.time()}
+        meta = {
+            "run": run,
+            "learner": learner,
+            "region": region,
+            "phase": 0,
+            "base_round": 0,
+            "inner_steps": 50,
+            "tokens": 102400,
+            "loss": 3.0,
+            "seconds": 1.0,
+            "finished_at": time.time(),
+        }
         data = encode(rand(1e-3), meta, "fp32")
         key = layout.delta_key(run, learner, 0)
         stores.region(region).put_if_absent(key, data)
@@ -83,14 +93,20 @@ def cpu_s(server_pid: int) -> dict[str, float]:
     me = resource.getrusage(resource.RUSAGE_SELF)
     fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    return {"user": me.ru_utime, "sys": me.ru_stime,
-            "server_user": int(fields[11]) / tick, "server_sys": int(fields[12]) / tick}
+    return {
+        "user": me.ru_utime,
+        "sys": me.ru_stime,
+        "server_user": int(fields[11]) / tick,
+        "server_sys": int(fields[12]) / tick,
+    }
 
 
 def spent(marks: list[tuple[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """CPU seconds of each step between consecutive marks, by whose and which kind."""
-    return {name: {kind: round(now[kind] - before[kind], 2) for kind in now}
-            for (_, before), (name, now) in zip(marks, marks[1:])}
+    return {
+        name: {kind: round(now[kind] - before[kind], 2) for kind in now}
+        for (_, before), (name, now) in zip(marks, marks[1:])
+    }
 
 
 def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
@@ -138,29 +154,42 @@ def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
     t4 = time.perf_counter()
     raw.append(("raw_write", cpu_s(server_pid)))
     moved = sum(size for _, _, size in refs["deltas"]) + sum(w.bytes for w in written)
-    return {"k": k, "bytes_moved": moved, "load_s": t1 - t0, "critical_path_s": t2 - t1, "raw_boto3_s": t4 - t3,
-            "read_and_validate_s": t_read - t1, "merge_s": t_merge - t_read, "write_s": t2 - t_merge,
-            "raw_read_s": t_raw_read - t3, "raw_write_s": t4 - t_raw_read,
-            "peak_rss_over_baseline": peak - baseline, "baseline_rss": baseline,
-            "cpu_s": spent(ours) | spent(raw)}
+    return {
+        "k": k,
+        "bytes_moved": moved,
+        "load_s": t1 - t0,
+        "critical_path_s": t2 - t1,
+        "raw_boto3_s": t4 - t3,
+        "read_and_validate_s": t_read - t1,
+        "merge_s": t_merge - t_read,
+        "write_s": t2 - t_merge,
+        "raw_read_s": t_raw_read - t3,
+        "raw_write_s": t4 - t_raw_read,
+        "peak_rss_over_baseline": peak - baseline,
+        "baseline_rss": baseline,
+        "cpu_s": spent(ours) | spent(raw),
+    }
 
 
 def throughput_row(k: int, m: dict) -> Row:
     """The synchronizer's critical path against boto3 moving the same bytes, at K deltas, with
     where each side's time went."""
     cpu = m["cpu_s"]
-    return at_least(f"dataplane: synchronizer / raw boto3 throughput, K={k}", m["raw_boto3_s"] / m["critical_path_s"],
-                    0.7,
-                    f"of its {m['critical_path_s']:.1f} s, reading and validating the deltas took "
-                    f"{m['read_and_validate_s']:.1f} s against boto3's {m['raw_read_s']:.1f} s (each delta is spooled "
-                    "to local disk, into new page cache, hashed twice and its norms taken, two deltas at a time; "
-                    f"{cpu['read_and_validate']['sys']:.1f} s of kernel CPU in the synchronizer against "
-                    f"{cpu['raw_read']['sys']:.1f} s in boto3's reads), the float64 merge and the hashes of the three "
-                    f"objects it makes {m['merge_s']:.1f} s, which boto3 does not do, and writing the model, update "
-                    f"and outer state side by side, each PUT naming its sha256, {m['write_s']:.1f} s against boto3's "
-                    f"{m['raw_write_s']:.1f} s, one PUT after another with botocore's own checksums (moto's server "
-                    f"spent {cpu['write']['server_sys']:.1f} s and {cpu['raw_write']['server_sys']:.1f} s of kernel "
-                    "CPU storing them); all on the 2 cores moto's server also uses")
+    return at_least(
+        f"dataplane: synchronizer / raw boto3 throughput, K={k}",
+        m["raw_boto3_s"] / m["critical_path_s"],
+        0.7,
+        f"of its {m['critical_path_s']:.1f} s, reading and validating the deltas took "
+        f"{m['read_and_validate_s']:.1f} s against boto3's {m['raw_read_s']:.1f} s (each delta is spooled "
+        "to local disk, into new page cache, hashed twice and its norms taken, two deltas at a time; "
+        f"{cpu['read_and_validate']['sys']:.1f} s of kernel CPU in the synchronizer against "
+        f"{cpu['raw_read']['sys']:.1f} s in boto3's reads), the float64 merge and the hashes of the three "
+        f"objects it makes {m['merge_s']:.1f} s, which boto3 does not do, and writing the model, update "
+        f"and outer state side by side, each PUT naming its sha256, {m['write_s']:.1f} s against boto3's "
+        f"{m['raw_write_s']:.1f} s, one PUT after another with botocore's own checksums (moto's server "
+        f"spent {cpu['write']['server_sys']:.1f} s and {cpu['raw_write']['server_sys']:.1f} s of kernel "
+        "CPU storing them); all on the 2 cores moto's server also uses",
+    )
 
 
 def run(quick: bool) -> Result:
@@ -183,9 +212,23 @@ def run(quick: bool) -> Result:
             fsspec.get_filesystem_class("s3").clear_instance_cache()
             for k in ks:
                 refs = write_inputs(cfg, k, Stores(STORE, REGIONS))
-                out = subprocess.run([sys.executable, "-m", "benchmarks.dataplane", "--child", str(k), "--s3", url,
-                                      "--server-pid", str(server.pid)],
-                                     input=json.dumps(refs), env=env, capture_output=True, text=True)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.dataplane",
+                        "--child",
+                        str(k),
+                        "--s3",
+                        url,
+                        "--server-pid",
+                        str(server.pid),
+                    ],
+                    input=json.dumps(refs),
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode != 0:
                     raise RuntimeError(f"dataplane child K={k} failed:\n{out.stderr[-3000:]}")
                 res.raw[f"k{k}"] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -198,10 +241,16 @@ def run(quick: bool) -> Result:
         res.rows.append(throughput_row(k, res.raw[f"k{k}"]))
     for k in ks:
         m = res.raw[f"k{k}"]["peak_rss_over_baseline"] / model_bytes
-        res.rows.append(at_most(f"dataplane: synchronizer peak memory / model bytes, K={k}", m, 3.0,
-                                "flat in K (deltas wait on disk, one tensor decoded at a time; the update and the "
-                                "outer state go to their files as they are made), but θ and the momentum are 2× by "
-                                "themselves, and per-tensor buffers and the process's growth come on top"))
+        res.rows.append(
+            at_most(
+                f"dataplane: synchronizer peak memory / model bytes, K={k}",
+                m,
+                3.0,
+                "flat in K (deltas wait on disk, one tensor decoded at a time; the update and the "
+                "outer state go to their files as they are made), but θ and the momentum are 2× by "
+                "themselves, and per-tensor buffers and the process's growth come on top",
+            )
+        )
     return res
 
 

@@ -34,11 +34,24 @@ def run(quick: bool) -> Result:
             walls[every].append(facts["wall_s"])
             losses[every].append(loss)
     ratio = statistics.median(walls[1]) / statistics.median(walls[0])
-    res = Result("eval_cadence", settings={"budget": b.__dict__, "H": h, "order": "alternating, every round first"},
-                 raw={"wall_s_every_round": walls[1], "wall_s_last_only": walls[0],
-                      "loss_every_round": losses[1], "loss_last_only": losses[0]})
-    res.rows.append(at_least(f"eval cadence: wall-clock evaluating every round / the last only, H={h}", ratio, 1.05,
-                             "the evaluation is a small part of a round at this H on this machine"))
+    res = Result(
+        "eval_cadence",
+        settings={"budget": b.__dict__, "H": h, "order": "alternating, every round first"},
+        raw={
+            "wall_s_every_round": walls[1],
+            "wall_s_last_only": walls[0],
+            "loss_every_round": losses[1],
+            "loss_last_only": losses[0],
+        },
+    )
+    res.rows.append(
+        at_least(
+            f"eval cadence: wall-clock evaluating every round / the last only, H={h}",
+            ratio,
+            1.05,
+            "the evaluation is a small part of a round at this H on this machine",
+        )
+    )
     return res
 
 

@@ -67,11 +67,25 @@ def specs(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec, pipeline.Spec, flo
     capped = tuple((r, floor) for r in pipeline.REGIONS)
     faulty = tuple((r, SLOWDOWN * floor if r == SLOW else floor) for r in pipeline.REGIONS)
     chaos = (f"kill:{KILLED}@round{kill}", f"restart:{KILLED}@round{restart}")
-    a = pipeline.Spec(name="fa", inner_steps=h, rounds=rounds, speed=(), min_step_s=capped, warmup=2 if quick else 50,
-                      target_loss=None if quick else target, eval_batches=pipeline.eval_batches(quick))
+    a = pipeline.Spec(
+        name="fa",
+        inner_steps=h,
+        rounds=rounds,
+        speed=(),
+        min_step_s=capped,
+        warmup=2 if quick else 50,
+        target_loss=None if quick else target,
+        eval_batches=pipeline.eval_batches(quick),
+    )
     b = replace(a, name="fb", min_step_s=faulty, chaos=chaos)
-    c = replace(b, name="fc", min_quorum=len(pipeline.REGIONS), learner_wait_s=3600.0, rebase=False,
-                round_timeout_s=round_timeout_s(h))
+    c = replace(
+        b,
+        name="fc",
+        min_quorum=len(pipeline.REGIONS),
+        learner_wait_s=3600.0,
+        rebase=False,
+        round_timeout_s=round_timeout_s(h),
+    )
     return a, b, c, target
 
 
@@ -101,9 +115,19 @@ def compute_ratio(quick: bool) -> float:
 
 def run(quick: bool) -> Result:
     a, b, c, target = specs(quick)
-    res = Result("faults", settings={"target_loss": target, "cap": CAP, "full_speed_step_s": full_speed_step_s(),
-                                     "slow": SLOW, "killed": KILLED,
-                                     "a": a.config(), "b": {**b.config(), "chaos": b.chaos}, "c": {**c.config(), "chaos": c.chaos}})
+    res = Result(
+        "faults",
+        settings={
+            "target_loss": target,
+            "cap": CAP,
+            "full_speed_step_s": full_speed_step_s(),
+            "slow": SLOW,
+            "killed": KILLED,
+            "a": a.config(),
+            "b": {**b.config(), "chaos": b.chaos},
+            "c": {**c.config(), "chaos": c.chaos},
+        },
+    )
     ta = pipeline.run(a).seconds_to_loss(target)
     res.raw["a_seconds"] = ta
     rb, rc = pipeline.run(b), pipeline.run(c)
@@ -113,30 +137,50 @@ def run(quick: bool) -> Result:
     chains = {k: r.chain for k, r in runs.items()}  # read from storage once
     reached = {k: round_reaching(r, target) for k, r in runs.items()}
     per_round = {k: t / reached[k] for k, t in (("a", ta), ("b", tb), ("c", tc)) if t and reached[k]}
-    res.raw.update(b_seconds=tb, c_seconds=tc, b_goodput=g, compute_ratio=compute_ratio(quick),
-                   rounds={k: chain[-1].round for k, chain in chains.items()},
-                   target_reached_at_round=reached, seconds_per_round_to_target=per_round,
-                   eval_loss_by_round={k: [round(m.eval_loss, 4) for m in chain[1:]] for k, chain in chains.items()},
-                   deltas_by_round={k: [len(m.contributions) for m in chain[1:]] for k, chain in chains.items()})
+    res.raw.update(
+        b_seconds=tb,
+        c_seconds=tc,
+        b_goodput=g,
+        compute_ratio=compute_ratio(quick),
+        rounds={k: chain[-1].round for k, chain in chains.items()},
+        target_reached_at_round=reached,
+        seconds_per_round_to_target=per_round,
+        eval_loss_by_round={k: [round(m.eval_loss, 4) for m in chain[1:]] for k, chain in chains.items()},
+        deltas_by_round={k: [len(m.contributions) for m in chain[1:]] for k, chain in chains.items()},
+    )
     never = "the target loss was not reached within the rounds run; raise the rounds or the target"
-    res.rows.append(at_most("faults: (b) decoupled with faults / (c) sync DiLoCo with faults (time to loss)",
-                            tb / tc if tb and tc else None, 0.5, never if not (tb and tc) else
-                            "synchronous DiLoCo is not slowed enough by the faults at this round timeout"))
-    res.rows.append(at_least("faults: goodput in (b) (tokens merged / trained)", g, 0.95,
-                             "stale deltas were dropped or not merged; see the manifests' excluded entries"))
+    res.rows.append(
+        at_most(
+            "faults: (b) decoupled with faults / (c) sync DiLoCo with faults (time to loss)",
+            tb / tc if tb and tc else None,
+            0.5,
+            never if not (tb and tc) else "synchronous DiLoCo is not slowed enough by the faults at this round timeout",
+        )
+    )
+    res.rows.append(
+        at_least(
+            "faults: goodput in (b) (tokens merged / trained)",
+            g,
+            0.95,
+            "stale deltas were dropped or not merged; see the manifests' excluded entries",
+        )
+    )
     ratio = tb / ta if tb and ta else None
     if ratio is None:
         why = never
     elif ratio > compute_ratio(quick):
         why = "rounds closing without the slow learner still wait for it in the grace window"
     else:
-        why = (f"rounds came about as often in (b) as in (a) ({per_round['b']:.1f} s and {per_round['a']:.1f} s "
-               f"each, reaching the target at rounds {reached['b']} and {reached['a']}): a round closes once Q_min "
-               "deltas are in, and the learners' lr catch-up counts the run's learners, so with fewer of them "
-               "sending, the schedule falls behind their steps and at this budget moves the loss more per step; "
-               "`python -m benchmarks --only scaling` measures it with a learner away, with and without catch-up")
-    res.rows.append(within("faults: (b)/(a) wall-clock, against the compute ratio", ratio, compute_ratio(quick), 0.15,
-                           why))
+        why = (
+            f"rounds came about as often in (b) as in (a) ({per_round['b']:.1f} s and {per_round['a']:.1f} s "
+            f"each, reaching the target at rounds {reached['b']} and {reached['a']}): a round closes once Q_min "
+            "deltas are in, and the learners' lr catch-up counts the run's learners, so with fewer of them "
+            "sending, the schedule falls behind their steps and at this budget moves the loss more per step; "
+            "`python -m benchmarks --only scaling` measures it with a learner away, with and without catch-up"
+        )
+    res.rows.append(
+        within("faults: (b)/(a) wall-clock, against the compute ratio", ratio, compute_ratio(quick), 0.15, why)
+    )
     return res
 
 

@@ -25,10 +25,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from benchmarks.heldout import BATCH, PRESET, train_bytes
+from tasks.core.config import InnerSettings, MergeSettings
 from tasks.core.data import BatchSampler, shard
-from tasks.core.config import InnerSettings
 from tasks.core.inner import InnerTrainer
-from tasks.core.config import MergeSettings
 from tasks.core.merge import merge_round
 from tasks.core.model import build_model, params_of
 
@@ -44,7 +43,7 @@ class Budget:
         return self.learners * self.steps * BATCH * build_model(PRESET, 0).config.block_size
 
     @property
-    def second_half(self) -> "Budget":
+    def second_half(self) -> Budget:
         """What is left after the warm start (data-parallel's half-way model)."""
         return Budget(learners=self.learners, steps=self.steps // 2, warmup=self.warmup)
 
@@ -73,8 +72,9 @@ def train_data_parallel(budget: Budget, seed: int, procs: int = 1) -> tuple[dict
         try:
             for rank in range(procs):
                 conn, theirs = ctx.Pipe(duplex=False)
-                worker = ctx.Process(target=dp_rank, args=(theirs, rank, procs, f"file://{tmp}/store", budget, seed),
-                                     daemon=True)
+                worker = ctx.Process(
+                    target=dp_rank, args=(theirs, rank, procs, f"file://{tmp}/store", budget, seed), daemon=True
+                )
                 worker.start()
                 theirs.close()  # its death reads as EOF here, not a hang
                 conns.append(conn)
@@ -120,8 +120,15 @@ def dp_rank(conn: Connection, rank: int, world: int, rendezvous: str, budget: Bu
         conn.send(traceback.format_exc())
 
 
-def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeSettings, init: dict | None = None,
-                on_round: Callable[[int, dict], None] | None = None, procs: int = 1) -> dict:
+def sync_diloco(
+    budget: Budget,
+    seed: int,
+    h: int,
+    rule: MergeSettings,
+    init: dict | None = None,
+    on_round: Callable[[int, dict], None] | None = None,
+    procs: int = 1,
+) -> dict:
     """K learners, H inner steps each, all deltas merged every round (equal tokens, equal weights);
     `on_round(r, θ_r)` sees each round's model. procs > 1 trains the learners in that many worker
     processes of one thread each (learner i in worker i % procs): the same bits as procs=1 under
@@ -130,8 +137,11 @@ def sync_diloco(budget: Budget, seed: int, h: int, rule: MergeSettings, init: di
         raise ValueError(f"procs must be >= 1, got {procs}")
     theta = init if init is not None else params_of(build_model(PRESET, seed))
     momentum = None
-    phases = (nullcontext(partial(phase_deltas, learner_trainers(budget, seed, range(budget.learners))))
-              if procs == 1 else worker_phases(budget, seed, procs))
+    phases = (
+        nullcontext(partial(phase_deltas, learner_trainers(budget, seed, range(budget.learners))))
+        if procs == 1
+        else worker_phases(budget, seed, procs)
+    )
     with phases as run_phases:
         for r in range(1, budget.steps // h + 1):
             theta, momentum = merge_round(theta, momentum, run_phases(theta, h), [1.0] * budget.learners, rule)
@@ -145,10 +155,16 @@ def learner_trainers(budget: Budget, seed: int, learners: range) -> list[InnerTr
     seed·1000 + i. One construction for the serial loop and the workers, so both train the same run."""
     block = build_model(PRESET, seed).config.block_size
     cfg = InnerSettings(warmup_steps=budget.warmup, total_steps=budget.steps)
-    return [InnerTrainer(build_model(PRESET, seed),
-                         BatchSampler(shard(train_bytes(), i, budget.learners, block_size=block), BATCH, block,
-                                      seed=seed * 1000 + i), cfg)
-            for i in learners]
+    return [
+        InnerTrainer(
+            build_model(PRESET, seed),
+            BatchSampler(
+                shard(train_bytes(), i, budget.learners, block_size=block), BATCH, block, seed=seed * 1000 + i
+            ),
+            cfg,
+        )
+        for i in learners
+    ]
 
 
 def phase_deltas(trainers: list[InnerTrainer], theta: dict, h: int) -> list[dict]:
@@ -168,8 +184,9 @@ def worker_phases(budget: Budget, seed: int, procs: int) -> Iterator[Callable[[d
         for w in range(procs):
             conn, theirs = ctx.Pipe()
             conns.append(conn)
-            worker = ctx.Process(target=learner_worker, args=(theirs, budget, seed, range(w, budget.learners, procs)),
-                                 daemon=True)
+            worker = ctx.Process(
+                target=learner_worker, args=(theirs, budget, seed, range(w, budget.learners, procs)), daemon=True
+            )
             worker.start()
             workers.append(worker)
             theirs.close()  # only the worker holds its end now: its death reads as EOF here, not a hang

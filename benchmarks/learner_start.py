@@ -25,9 +25,9 @@ LEARNERS = 4
 def ready(queue, t0: float) -> None:
     """The child: import what a learner needs and build its model and optimizer, then say how
     long since the parent started it."""
-    import flows.learner  # noqa: F401
     import torch
 
+    import flows.learner  # noqa: F401
     from benchmarks.heldout import PRESET
     from storage.store import Stores
     from tasks.core.model import build_model
@@ -59,10 +59,19 @@ def run(quick: bool) -> Result:
     spawned = [start(fresh, LEARNERS) for _ in range(repeats)]
     forked = [start(forks, LEARNERS) for _ in range(repeats)]
     a, b = statistics.median(spawned), statistics.median(forked)
-    res = Result("learner_start", settings={"learners_at_once": LEARNERS, "repeats": repeats, "preload": PRELOAD},
-                 raw={"fresh_interpreter_s": spawned, "fork_server_s": forked})
-    res.rows.append(at_least(f"learner start: fresh interpreter / fork server, {LEARNERS} at once", a / b, 10,
-                             "the fork server imports less than a learner needs before its first step, so each fork imports the rest"))
+    res = Result(
+        "learner_start",
+        settings={"learners_at_once": LEARNERS, "repeats": repeats, "preload": PRELOAD},
+        raw={"fresh_interpreter_s": spawned, "fork_server_s": forked},
+    )
+    res.rows.append(
+        at_least(
+            f"learner start: fresh interpreter / fork server, {LEARNERS} at once",
+            a / b,
+            10,
+            "the fork server imports less than a learner needs before its first step, so each fork imports the rest",
+        )
+    )
     return res
 
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.heldout import BATCH, CORPUS, EVAL_BATCHES, PRESET
-from tasks.core.config import load_config
 from storage import layout
 from storage.manifest import Manifest, Quorum
 from storage.rounds import get_tensors, object_metadata, put_tensors, read_chain, with_eval_losses
 from storage.store import Stores
+from tasks.core.config import load_config
 from tasks.publish import commit, hyper
 
 REGIONS = ("us-east", "eu-west", "ap-south", "sa-east")
@@ -102,15 +102,29 @@ class Spec:
 
     def config(self) -> dict:
         return {
-            "run_id": f"b-{self.name}-{hashlib.sha1(repr(self).encode()).hexdigest()[:6]}", "regions": list(REGIONS), "rounds": self.rounds,
-            "inner_steps": self.inner_steps, "model": PRESET, "corpus": CORPUS, "seed": self.seed,
-            "speed": dict(self.speed), "min_step_s": dict(self.min_step_s), "codec": self.codec,
-            "update_codec": self.update_codec, "eval_batches": self.eval_batches, "eval_every": self.eval_every,
-            "learner_wait_s": self.learner_wait_s, "rebase": self.rebase, "carry": self.carry,
+            "run_id": f"b-{self.name}-{hashlib.sha1(repr(self).encode()).hexdigest()[:6]}",
+            "regions": list(REGIONS),
+            "rounds": self.rounds,
+            "inner_steps": self.inner_steps,
+            "model": PRESET,
+            "corpus": CORPUS,
+            "seed": self.seed,
+            "speed": dict(self.speed),
+            "min_step_s": dict(self.min_step_s),
+            "codec": self.codec,
+            "update_codec": self.update_codec,
+            "eval_batches": self.eval_batches,
+            "eval_every": self.eval_every,
+            "learner_wait_s": self.learner_wait_s,
+            "rebase": self.rebase,
+            "carry": self.carry,
             "inner": {"batch_size": BATCH, "warmup_steps": self.warmup, "total_steps": self.total_steps},
             "quorum": {"min_quorum": self.min_quorum, "round_timeout_s": self.round_timeout_s},
-            **{key: value for key, value in (("target_loss", self.target_loss), ("token_budget", self.token_budget))
-               if value is not None},
+            **{
+                key: value
+                for key, value in (("target_loss", self.target_loss), ("token_budget", self.token_budget))
+                if value is not None
+            },
         }
 
 
@@ -125,7 +139,7 @@ def eval_batches(quick: bool) -> int:
 
 
 WARM_STARTS: dict[str, dict[str, torch.Tensor]] = {}
-_RUNS: dict[Spec, "Run"] = {}
+_RUNS: dict[Spec, Run] = {}
 
 
 def toml(data: dict, section: str = "") -> str:
@@ -146,20 +160,38 @@ def seed_round0(spec: Spec, stores: Stores) -> None:
     """Write the run's config and a round 0 holding the warm-start model, as create_run would."""
     config = load_config(None, spec.config())
     run = config.run_id
-    stores.global_.put_if_absent(layout.config_key(run), json.dumps(config.model_dump(mode="json"), sort_keys=True, indent=1).encode())
+    stores.global_.put_if_absent(
+        layout.config_key(run), json.dumps(config.model_dump(mode="json"), sort_keys=True, indent=1).encode()
+    )
     params = WARM_STARTS[spec.init]
     ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, {"run": run, "round": "0"})
     from benchmarks.heldout import loss
 
-    commit(stores, Manifest(
-        run=run, round=0, parent_round=None, parent_sha256=None, created_at=datetime.now().astimezone().isoformat(),
-        model=ref, outer=None, hyper=hyper(config), eval_loss=loss(params) if config.evaluates(0, 0) else None,
-        quorum=Quorum(min_quorum=config.quorum.min_quorum, max_quorum=config.max_quorum, received=0,
-                      learners=[n for n, _, _ in config.learners()], waited_s=0.0, closed_by="initial"),
-    ))
+    commit(
+        stores,
+        Manifest(
+            run=run,
+            round=0,
+            parent_round=None,
+            parent_sha256=None,
+            created_at=datetime.now().astimezone().isoformat(),
+            model=ref,
+            outer=None,
+            hyper=hyper(config),
+            eval_loss=loss(params) if config.evaluates(0, 0) else None,
+            quorum=Quorum(
+                min_quorum=config.quorum.min_quorum,
+                max_quorum=config.max_quorum,
+                received=0,
+                learners=[n for n, _, _ in config.learners()],
+                waited_s=0.0,
+                closed_by="initial",
+            ),
+        ),
+    )
 
 
-def run(spec: Spec) -> "Run":
+def run(spec: Spec) -> Run:
     """Run the pipeline for `spec` (once per process) and read it back."""
     if spec in _RUNS:
         return _RUNS[spec]
@@ -223,8 +255,19 @@ class Run:
                 if layout.parse_delta_key(key) is None:
                     continue
                 m = object_metadata(store, key)
-                out.append(Delta(m["learner"], key, size, int(m["tokens"]), float(m["seconds"]), float(m["finished_at"]),
-                                 int(m.get("io_read", 0)), int(m.get("io_written", 0)), m))
+                out.append(
+                    Delta(
+                        m["learner"],
+                        key,
+                        size,
+                        int(m["tokens"]),
+                        float(m["seconds"]),
+                        float(m["finished_at"]),
+                        int(m.get("io_read", 0)),
+                        int(m.get("io_written", 0)),
+                        m,
+                    )
+                )
         return out
 
     def published_at(self, round_: int) -> float:

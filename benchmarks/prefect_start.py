@@ -45,10 +45,19 @@ def run(quick: bool) -> Result:
             assert not migrated, "the template was not used"
             seeded.append(seconds)
     a, b = statistics.median(migrating), statistics.median(seeded)
-    res = Result("prefect_start", settings={"repeats": repeats, "order": "alternating, each on a new home"},
-                 raw={"migrating_s": migrating, "from_template_s": seeded})
-    res.rows.append(at_least("Prefect server start: migrating a fresh database / from the migrated template", a / b, 1.5,
-                             "the migrations are a small part of the server's start on this machine"))
+    res = Result(
+        "prefect_start",
+        settings={"repeats": repeats, "order": "alternating, each on a new home"},
+        raw={"migrating_s": migrating, "from_template_s": seeded},
+    )
+    res.rows.append(
+        at_least(
+            "Prefect server start: migrating a fresh database / from the migrated template",
+            a / b,
+            1.5,
+            "the migrations are a small part of the server's start on this machine",
+        )
+    )
     return res
 
 

@@ -21,13 +21,12 @@ from dataclasses import dataclass, field, replace
 
 from benchmarks.heldout import BATCH, PRESET
 from benchmarks.inprocess import Budget, learner_trainers
-from tasks.core.inner import InnerTrainer, carried
 from tasks.core.compress import compress_with_feedback
-from tasks.core.config import MergeSettings
+from tasks.core.config import MergeSettings, QuorumSettings
+from tasks.core.inner import InnerTrainer, carried
 from tasks.core.merge import Candidate, encode_update, merge_round, plan_merge
 from tasks.core.model import build_model, params_of
 from tasks.core.pace import phase_steps
-from tasks.core.config import QuorumSettings
 from tasks.core.quorum import LearnerHistory, decide
 
 
@@ -80,19 +79,34 @@ class _Learner:
     residual: dict = field(default_factory=dict)  # the delta codec's error feedback
 
 
-def replay(budget: Budget, schedule: Schedule, rule: MergeSettings, seed: int = 0,
-           init: dict | None = None, on_round: Callable[[int, dict], None] | None = None) -> tuple[dict, dict]:
+def replay(
+    budget: Budget,
+    schedule: Schedule,
+    rule: MergeSettings,
+    seed: int = 0,
+    init: dict | None = None,
+    on_round: Callable[[int, dict], None] | None = None,
+) -> tuple[dict, dict]:
     """Train until the learners have trained the budget's tokens, merging as the synchronizer
     does (weights from tasks.core.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
     Round 0 is `init` when given (a warm start), else the seeded model; `on_round(r, θ_r)` sees
     each round's model as it is published."""
     block = build_model(PRESET, seed).config.block_size
     alive = len(schedule.speeds)
-    learners = [_Learner(trainer, speed) for trainer, speed in
-                zip(learner_trainers(replace(budget, learners=alive), seed, range(alive)), schedule.speeds)]
+    learners = [
+        _Learner(trainer, speed)
+        for trainer, speed in zip(
+            learner_trainers(replace(budget, learners=alive), seed, range(alive)), schedule.speeds
+        )
+    ]
     names = [f"l{i}" for i in range(len(learners) + schedule.away)]  # the away ones last: never trained
-    policy = QuorumSettings(min_quorum=schedule.min_quorum, max_quorum=len(names), grace_max_s=20.0,
-                            round_timeout_s=600.0, grace_fraction=schedule.grace_fraction)
+    policy = QuorumSettings(
+        min_quorum=schedule.min_quorum,
+        max_quorum=len(names),
+        grace_max_s=20.0,
+        round_timeout_s=600.0,
+        grace_fraction=schedule.grace_fraction,
+    )
     theta0 = init if init is not None else params_of(build_model(PRESET, seed))
     rounds = [(0, theta0, 0.0)]  # (round, θ, visible at)
     momentum, update_residual = None, {}
@@ -183,12 +197,16 @@ def replay(budget: Budget, schedule: Schedule, rule: MergeSettings, seed: int = 
         if L.done == schedule.steps_for(L.speed):
             delta = L.trainer.delta(L.base)
             _, sent, L.residual = compress_with_feedback(delta, L.residual, schedule.codec)
-            pending.append(_Arrival(t_end, name, L.phase, L.base_round, L.done * BATCH * block,
-                                    t_end - L.phase_started, sent))
+            pending.append(
+                _Arrival(t_end, name, L.phase, L.base_round, L.done * BATCH * block, t_end - L.phase_started, sent)
+            )
             L.unmerged[L.phase] = delta
             L.done, L.phase = 0, L.phase + 1
         heapq.heappush(clock, (t_end, i))
     synchronize(float("inf"))
     staleness = [s for m in merged for s in m]
-    return rounds[-1][1], {"rounds": rounds[-1][0], "deltas_per_round": sum(map(len, merged)) / max(1, len(merged)),
-                           "mean_staleness": sum(staleness) / max(1, len(staleness))}
+    return rounds[-1][1], {
+        "rounds": rounds[-1][0],
+        "deltas_per_round": sum(map(len, merged)) / max(1, len(merged)),
+        "mean_staleness": sum(staleness) / max(1, len(staleness)),
+    }

@@ -23,11 +23,10 @@ import torch
 from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, learner_trainers
 from benchmarks.pipeline import REGIONS, Run
-from tasks.core.config import RunConfig
 from flows.audit import RULE_FIELDS
 from tasks.core.compress import compress_with_feedback
+from tasks.core.config import MergeSettings, RunConfig
 from tasks.core.inner import carried
-from tasks.core.config import MergeSettings
 from tasks.core.merge import encode_update, merge_round
 from tasks.core.model import build_model, params_of
 from tasks.train_phase import CARRY_LIMIT
@@ -64,20 +63,33 @@ def trace(run: Run, until: int) -> Trace:
     for d in run.deltas:
         m = d.metadata
         if "rebases" not in m:
-            raise ValueError(f"{d.key} does not record its rebases (written before deltas did): its run cannot be retraced")
+            raise ValueError(
+                f"{d.key} does not record its rebases (written before deltas did): its run cannot be retraced"
+            )
         rebases = tuple(tuple(map(int, move.split(":"))) for move in m["rebases"].split(",") if move)
         phases.setdefault(d.learner, []).append(
-            Phase(d.learner, int(m["phase"]), int(m["start_round"]), int(m["inner_steps"]), rebases))
-    rounds = [Round(tuple((c.learner, c.phase, c.weight) for c in m.contributions),
-                    frozenset({(c.learner, c.phase) for c in m.contributions}
-                              | {(e.learner, e.phase) for e in m.excluded if e.learner is not None}),
-                    m.tokens_applied)
-              for m in chain[1:]]
+            Phase(d.learner, int(m["phase"]), int(m["start_round"]), int(m["inner_steps"]), rebases)
+        )
+    rounds = [
+        Round(
+            tuple((c.learner, c.phase, c.weight) for c in m.contributions),
+            frozenset(
+                {(c.learner, c.phase) for c in m.contributions}
+                | {(e.learner, e.phase) for e in m.excluded if e.learner is not None}
+            ),
+            m.tokens_applied,
+        )
+        for m in chain[1:]
+    ]
     hyper = chain[-1].hyper
     rule = MergeSettings(**{k: hyper[k] for k in RULE_FIELDS})
     config = RunConfig(run_id=run.run_id, regions=list(REGIONS))
-    return Trace({n: sorted(ps, key=lambda p: p.phase) for n, ps in phases.items()}, rounds, rule,
-                 tuple(name for name, _, _ in config.learners()))
+    return Trace(
+        {n: sorted(ps, key=lambda p: p.phase) for n, ps in phases.items()},
+        rounds,
+        rule,
+        tuple(name for name, _, _ in config.learners()),
+    )
 
 
 def retrace(t: Trace, budget: Budget, codec: str, update_codec: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -125,8 +137,9 @@ def retrace(t: Trace, budget: Budget, codec: str, update_codec: str, seed: int =
             train_through(name, phase)
         theta = thetas[-1]
         if r.merged:
-            target, momentum = merge_round(theta, momentum, [sent.pop((n, q)) for n, q, _ in r.merged],
-                                           [w for _, _, w in r.merged], t.rule)
+            target, momentum = merge_round(
+                theta, momentum, [sent.pop((n, q)) for n, q, _ in r.merged], [w for _, _, w in r.merged], t.rule
+            )
             _, theta, update_residual = encode_update(theta, target, update_residual, update_codec)
         thetas.append(theta)
     return thetas[-1]

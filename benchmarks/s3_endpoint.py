@@ -54,11 +54,24 @@ def run(quick: bool) -> Result:
     for _ in range(repeats):
         moto.append(cpu_per_request_ms(moto_server(), requests, keys))
         direct.append(cpu_per_request_ms(serve_s3(LOOPBACK), requests, keys))
-    res = Result("s3_endpoint", settings={"requests": requests, "keys": keys, "repeats": repeats,
-                                          "order": "alternating, each on a fresh endpoint"},
-                 raw={"moto_server_cpu_ms_per_request": moto, "s3_served_directly_cpu_ms_per_request": direct})
-    res.rows.append(at_least("S3 endpoint: CPU per request, moto's server / S3 served directly", sum(moto) / sum(direct),
-                             1.1, "the dispatch is a small part of a request's CPU on this machine"))
+    res = Result(
+        "s3_endpoint",
+        settings={
+            "requests": requests,
+            "keys": keys,
+            "repeats": repeats,
+            "order": "alternating, each on a fresh endpoint",
+        },
+        raw={"moto_server_cpu_ms_per_request": moto, "s3_served_directly_cpu_ms_per_request": direct},
+    )
+    res.rows.append(
+        at_least(
+            "S3 endpoint: CPU per request, moto's server / S3 served directly",
+            sum(moto) / sum(direct),
+            1.1,
+            "the dispatch is a small part of a request's CPU on this machine",
+        )
+    )
     return res
 
 

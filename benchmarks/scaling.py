@@ -29,7 +29,6 @@ from benchmarks.replay import pipeline_defaults, replay
 from benchmarks.report import Result, standalone, within
 from benchmarks.wire import wire_budget
 from tasks.core.config import RunConfig
-
 from tasks.core.model import build_model, params_of
 
 FULL, FEWER = 4, 3  # learners: the faults part's (b) has about 3 learners' compute of (a)'s 4
@@ -62,22 +61,36 @@ def run(quick: bool) -> Result:
         return lambda watch: sync_diloco(replace(per_learner, learners=k), 0, h, SYNC_RULE, on_round=watch)
 
     def schedule(k: int, **change) -> Callable:
-        return lambda watch: replay(replace(per_learner, learners=k), replace(defaults, speeds=(1.0,) * k, **change),
-                                    rule, on_round=watch)
+        return lambda watch: replay(
+            replace(per_learner, learners=k), replace(defaults, speeds=(1.0,) * k, **change), rule, on_round=watch
+        )
 
-    runs = {"sync 4": sync(FULL), "sync 3": sync(FEWER), "replay 4": schedule(FULL), "replay 3": schedule(FEWER),
-            "replay 3 of 4": schedule(FEWER, away=FULL - FEWER),
-            "replay 4, no catch-up": schedule(FULL, catch_up=False),
-            "replay 3 of 4, no catch-up": schedule(FEWER, away=FULL - FEWER, catch_up=False)}
+    runs = {
+        "sync 4": sync(FULL),
+        "sync 3": sync(FEWER),
+        "replay 4": schedule(FULL),
+        "replay 3": schedule(FEWER),
+        "replay 3 of 4": schedule(FEWER, away=FULL - FEWER),
+        "replay 4, no catch-up": schedule(FULL, catch_up=False),
+        "replay 3 of 4, no catch-up": schedule(FEWER, away=FULL - FEWER, catch_up=False),
+    }
     arms = {  # row: (the full run, the one with a quarter less compute)
         f"sync DiLoCo, {FEWER} learners / {FULL}": ("sync 4", "sync 3"),
         f"decoupled schedule, {FEWER} learners / {FULL}": ("replay 4", "replay 3"),
         f"decoupled schedule, {FEWER} of {FULL} learners alive / {FULL}": ("replay 4", "replay 3 of 4"),
         "the same without lr catch-up": ("replay 4, no catch-up", "replay 3 of 4, no catch-up"),
     }
-    res = Result("scaling", settings={"steps_per_learner": per_learner.steps, "warmup": per_learner.warmup, "H": h,
-                                      "sync_rule": SYNC_RULE.__dict__, "decoupled_rule": rule.__dict__,
-                                      "schedule": {**defaults.__dict__, "speeds": "1.0 for every learner alive"}})
+    res = Result(
+        "scaling",
+        settings={
+            "steps_per_learner": per_learner.steps,
+            "warmup": per_learner.warmup,
+            "H": h,
+            "sync_rule": SYNC_RULE.__dict__,
+            "decoupled_rule": rule.__dict__,
+            "schedule": {**defaults.__dict__, "speeds": "1.0 for every learner alive"},
+        },
+    )
     losses, start = {}, heldout.loss(params_of(build_model(heldout.PRESET, 0)))
     for name, train in runs.items():
         losses[name] = curve(train, start)
@@ -86,10 +99,16 @@ def run(quick: bool) -> Result:
         target = losses[fewer][-1]
         reached = crossing(losses[full], target)
         res.raw[f"{label}: round at which {full!r} reaches {fewer!r}'s last loss"] = reached
-        res.rows.append(within(f"scaling, {label}: rounds to one loss (H={h})",
-                               (len(losses[fewer]) - 1) / reached if reached else None, FULL / FEWER, 0.15,
-                               f"after the same steps each, {full!r} ends at {losses[full][-1]:.4f} and {fewer!r} at "
-                               f"{target:.4f}: the loss does not follow the compute here"))
+        res.rows.append(
+            within(
+                f"scaling, {label}: rounds to one loss (H={h})",
+                (len(losses[fewer]) - 1) / reached if reached else None,
+                FULL / FEWER,
+                0.15,
+                f"after the same steps each, {full!r} ends at {losses[full][-1]:.4f} and {fewer!r} at "
+                f"{target:.4f}: the loss does not follow the compute here",
+            )
+        )
     return res
 
 

@@ -30,16 +30,35 @@ def pipeline_rate(run: pipeline.Run) -> tuple[float, dict, dict]:
         rates[learner] = tokens / (end - start)
         # Inside phases (steps, their floor and rebases) against between them (the Prefect task
         # run, encoding, the next round's choice).
-        spent[learner] = {"phases": len(ds), "in_phases_s": training, "between_phases_s": end - start - training,
-                          "in_phase_tokens_per_s": tokens / training}
+        spent[learner] = {
+            "phases": len(ds),
+            "in_phases_s": training,
+            "between_phases_s": end - start - training,
+            "in_phase_tokens_per_s": tokens / training,
+        }
     return sum(rates.values()), rates, spent
 
 
 def bare_rate(learners: int, steps: int, h: int, min_step_s: float) -> tuple[float, list[dict]]:
     """(tokens/s of all, each one's figures) of `learners` bare inner loops side by side, forks of
     one new interpreter (benchmarks.bare)."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bare", "--learners", str(learners), "--steps", str(steps),
-                          "--inner-steps", str(h), "--min-step-s", str(min_step_s)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bare",
+            "--learners",
+            str(learners),
+            "--steps",
+            str(steps),
+            "--inner-steps",
+            str(h),
+            "--min-step-s",
+            str(min_step_s),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"benchmarks.bare failed ({out.returncode}):\n{out.stderr[-3000:]}")
     outs = json.loads(out.stdout.strip().splitlines()[-1])
@@ -50,16 +69,38 @@ def run(quick: bool) -> Result:
     spec = specs(quick)[0]  # no faults, every learner capped alike
     pipe = pipeline.run(spec)
     ours, per_learner, spent = pipeline_rate(pipe)
-    steps = max(1, sum(d.tokens for d in pipe.deltas) // len(per_learner) // (pipe.deltas[0].tokens // spec.inner_steps))
+    steps = max(
+        1, sum(d.tokens for d in pipe.deltas) // len(per_learner) // (pipe.deltas[0].tokens // spec.inner_steps)
+    )
     bare, outs = bare_rate(len(per_learner), steps, spec.inner_steps, step_floor_s())
-    res = Result("utilization", settings={"spec": spec.config(), "threads": 1, "speed_cap": CAP, "bare_steps": steps,
-                                          "full_speed_step_s": full_speed_step_s(), "min_step_s": step_floor_s()},
-                 raw={"pipeline_tokens_per_s": ours, "per_learner": per_learner, "time_per_learner": spent,
-                      "bare_tokens_per_s": bare, "bare": outs})
-    res.rows.append(at_least("utilization: learner tokens/s in the pipeline / bare", ours / bare, 0.95,
-                             "per-phase costs left on the learner's path: the Prefect task run, encoding the delta "
-                             "and state, and the CPU the synchronizer, the Prefect server and moto take from the "
-                             "learners on the same two cores"))
+    res = Result(
+        "utilization",
+        settings={
+            "spec": spec.config(),
+            "threads": 1,
+            "speed_cap": CAP,
+            "bare_steps": steps,
+            "full_speed_step_s": full_speed_step_s(),
+            "min_step_s": step_floor_s(),
+        },
+        raw={
+            "pipeline_tokens_per_s": ours,
+            "per_learner": per_learner,
+            "time_per_learner": spent,
+            "bare_tokens_per_s": bare,
+            "bare": outs,
+        },
+    )
+    res.rows.append(
+        at_least(
+            "utilization: learner tokens/s in the pipeline / bare",
+            ours / bare,
+            0.95,
+            "per-phase costs left on the learner's path: the Prefect task run, encoding the delta "
+            "and state, and the CPU the synchronizer, the Prefect server and moto take from the "
+            "learners on the same two cores",
+        )
+    )
     return res
 
 

@@ -21,7 +21,7 @@ from tasks.core.plan import ring_bytes
 
 INT4_LOSS_BAR = 1.005
 INT4_UPDATES = "int3"
-INT4_TAG = "i4u" + INT4_UPDATES[len("int"):]  # in the runs' names
+INT4_TAG = "i4u" + INT4_UPDATES[len("int") :]  # in the runs' names
 
 
 def traffic(run: pipeline.Run) -> dict:
@@ -40,8 +40,13 @@ def traffic(run: pipeline.Run) -> dict:
     model_bytes = run.chain[-1].model.bytes
     phases = len(run.deltas)
     return {
-        "tokens": tokens, "sent": sent, "received": received, "phases": phases, "read_in_region": read_in_region,
-        "state_and_cache_in_region": written - sent, "checkpoint_bytes": model_bytes,
+        "tokens": tokens,
+        "sent": sent,
+        "received": received,
+        "phases": phases,
+        "read_in_region": read_in_region,
+        "state_and_cache_in_region": written - sent,
+        "checkpoint_bytes": model_bytes,
         "received_per_phase_in_checkpoints": received / phases / model_bytes,
         "synchronizer": run.summary.get("bytes", {}).get("synchronizer"),
     }
@@ -62,10 +67,12 @@ def ratio(run: pipeline.Run, learners: int) -> tuple[float, float, dict]:
 
 
 def limit(upload_only: float, facts: dict) -> str:
-    return (f"learners download {facts['received_per_phase_in_checkpoints']:.2f} checkpoints per phase across "
-            f"regions: every round's update (a round comes about once a phase, and an update is as large as a "
-            f"delta in the same codec), the whole checkpoint when the updates since the round held would be "
-            f"larger, or on a region's first read; counting uploads alone the ratio would be {upload_only:.0f}×")
+    return (
+        f"learners download {facts['received_per_phase_in_checkpoints']:.2f} checkpoints per phase across "
+        f"regions: every round's update (a round comes about once a phase, and an update is as large as a "
+        f"delta in the same codec), the whole checkpoint when the updates since the round held would be "
+        f"larger, or on a region's first read; counting uploads alone the ratio would be {upload_only:.0f}×"
+    )
 
 
 def wire_budget(quick: bool) -> Budget:
@@ -88,8 +95,14 @@ def loss_pair(quick: bool) -> tuple[pipeline.Spec, pipeline.Spec]:
 def run(quick: bool) -> Result:
     b = wire_budget(quick)
     h10, h50 = hs(quick)[0], hs(quick)[-1]
-    res = Result("wire", settings={"budget": b.__dict__, "model": heldout.PRESET, "ring": "2(K-1)/K x fp32 gradient, "
-                                   "sent and as many received, per worker per step"})
+    res = Result(
+        "wire",
+        settings={
+            "budget": b.__dict__,
+            "model": heldout.PRESET,
+            "ring": "2(K-1)/K x fp32 gradient, sent and as many received, per worker per step",
+        },
+    )
     fp32, int4 = loss_pair(quick)
     runs = [("fp32", fp32, 15), ("int4", int4, 100)]
     if h50 != h10:  # --quick has one H
@@ -98,18 +111,32 @@ def run(quick: bool) -> Result:
     for label, spec, bar in runs:
         r, upload_only, facts = ratio(pipeline.run(spec), b.learners)
         res.raw[f"{label}_h{spec.inner_steps}"] = {**facts, "run": pipeline.run(spec).run_id}
-        res.rows.append(at_least(f"wire: ring all-reduce / ours per token, H={spec.inner_steps}, {label} deltas, "
-                                 f"{spec.update_codec} updates", r, bar, limit(upload_only, facts)))
+        res.rows.append(
+            at_least(
+                f"wire: ring all-reduce / ours per token, H={spec.inner_steps}, {label} deltas, "
+                f"{spec.update_codec} updates",
+                r,
+                bar,
+                limit(upload_only, facts),
+            )
+        )
     loss32, f32 = at_budget(fp32, b.tokens)
     loss4, f4 = at_budget(int4, b.tokens)
     res.raw["loss_fp32_h%d" % h10], res.raw["loss_int4_h%d" % h10] = {"loss": loss32, **f32}, {"loss": loss4, **f4}
-    res.rows.insert(2, at_most(f"wire: held-out loss int4 / fp32, H={h10}", loss4 / loss32, INT4_LOSS_BAR,
-                               f"int4 deltas, {INT4_UPDATES} updates, with error feedback on both sides; the budget was "
-                               f"reached at round {f4['round']} with int4 ({f4['applied_tokens']:,} tokens merged) and "
-                               f"{f32['round']} with fp32 ({f32['applied_tokens']:,}): two runs whose rounds and merged "
-                               "tokens move with their timing; replayed on each run's own schedule (`python -m benchmarks "
-                               "--only codec_live`), the codecs alone cost a fraction of the bar, and the rest is the "
-                               "two schedules: which deltas each round merged, and when the learners moved onto it"))
+    res.rows.insert(
+        2,
+        at_most(
+            f"wire: held-out loss int4 / fp32, H={h10}",
+            loss4 / loss32,
+            INT4_LOSS_BAR,
+            f"int4 deltas, {INT4_UPDATES} updates, with error feedback on both sides; the budget was "
+            f"reached at round {f4['round']} with int4 ({f4['applied_tokens']:,} tokens merged) and "
+            f"{f32['round']} with fp32 ({f32['applied_tokens']:,}): two runs whose rounds and merged "
+            "tokens move with their timing; replayed on each run's own schedule (`python -m benchmarks "
+            "--only codec_live`), the codecs alone cost a fraction of the bar, and the rest is the "
+            "two schedules: which deltas each round merged, and when the learners moved onto it",
+        ),
+    )
     return res
 
 

@@ -24,16 +24,31 @@ from storage.store import Stores
 def round_table(manifest: Manifest) -> list[dict]:
     rows = [
         {
-            "learner": c.learner, "region": c.region, "phase": c.phase, "base round": c.base_round,
-            "staleness": c.staleness, "tokens": c.tokens, "weight": round(c.weight, 1), "loss": round(c.loss, 4),
-            "bytes": c.bytes, "status": "merged",
+            "learner": c.learner,
+            "region": c.region,
+            "phase": c.phase,
+            "base round": c.base_round,
+            "staleness": c.staleness,
+            "tokens": c.tokens,
+            "weight": round(c.weight, 1),
+            "loss": round(c.loss, 4),
+            "bytes": c.bytes,
+            "status": "merged",
         }
         for c in manifest.contributions
     ]
     rows += [
         {
-            "learner": e.learner, "region": e.region, "phase": e.phase, "base round": None, "staleness": None,
-            "tokens": e.tokens, "weight": 0, "loss": None, "bytes": None, "status": f"{e.kind}: {e.reason}",
+            "learner": e.learner,
+            "region": e.region,
+            "phase": e.phase,
+            "base round": None,
+            "staleness": None,
+            "tokens": e.tokens,
+            "weight": 0,
+            "loss": None,
+            "bytes": None,
+            "status": f"{e.kind}: {e.reason}",
         }
         for e in manifest.excluded
     ]
@@ -65,7 +80,12 @@ def publish_round_artifacts(manifest: Manifest, manifest_url: str) -> None:
             f"{len(manifest.excluded)} excluded. Manifest: [{manifest_url}]({link})"
         ),
     )
-    create_link_artifact(link, link_text=manifest_url, key=f"{key}-manifest", description=f"{manifest.run} round {manifest.round}: manifest")
+    create_link_artifact(
+        link,
+        link_text=manifest_url,
+        key=f"{key}-manifest",
+        description=f"{manifest.run} round {manifest.round}: manifest",
+    )
 
 
 class RunProgress:
@@ -73,10 +93,14 @@ class RunProgress:
 
     def __init__(self, run: str, rounds: int, done: int):
         self.run, self.rounds = run, rounds
-        self.id = create_progress_artifact(100.0 * done / rounds, key=f"{run}-progress", description=f"{run}: rounds published")
+        self.id = create_progress_artifact(
+            100.0 * done / rounds, key=f"{run}-progress", description=f"{run}: rounds published"
+        )
 
     def update(self, done: int) -> None:
-        update_progress_artifact(self.id, 100.0 * done / self.rounds, description=f"{self.run}: {done}/{self.rounds} rounds")
+        update_progress_artifact(
+            self.id, 100.0 * done / self.rounds, description=f"{self.run}: {done}/{self.rounds} rounds"
+        )
 
     def end(self, why: str) -> None:
         """Full once the run is over, also when it ends early at its target loss."""
@@ -129,7 +153,9 @@ def report_markdown(summary: dict, rows: list[dict], manifests: list[Manifest], 
     lines += [f"| {who} | {_mb(b['written'])} | {_mb(b['read'])} |" for who, b in summary["bytes"].items()]
     g = stores.global_.url
     lines += [
-        "", "## Where everything is", "",
+        "",
+        "## Where everything is",
+        "",
         f"- config: `{g}/{layout.config_key(run)}`",
         f"- checkpoints, outer state and manifests: `{summary['checkpoints']}`",
     ]

@@ -118,7 +118,8 @@ class _Audit:
 
     def run(self) -> AuditReport:
         found = {
-            r: k for k in self.stores.global_.list(layout.rounds_prefix(self.run_id))
+            r: k
+            for k in self.stores.global_.list(layout.rounds_prefix(self.run_id))
             if (r := layout.parse_manifest_key(k)) is not None
         }
         if not found:
@@ -151,7 +152,8 @@ class _Audit:
             return current
         if parent is not None and m.parent_sha256 != parent.sha256:
             self.problem(
-                parent.round, parent.key,
+                parent.round,
+                parent.key,
                 f"sha256 {parent.sha256[:12]}… is not the parent_sha256 {str(m.parent_sha256)[:12]}… that round {r}'s "
                 "manifest records: one of the two manifests was changed after publishing",
             )
@@ -161,7 +163,11 @@ class _Audit:
             self.problem(r, key, f"records round {m.round}, but is stored as round {r}: rounds reordered or copied")
         expected_parent = None if r == 0 else r - 1
         if m.parent_round != expected_parent:
-            self.problem(r, key, f"parent_round {m.parent_round}, expected {expected_parent}: the chain skips or reorders a round")
+            self.problem(
+                r,
+                key,
+                f"parent_round {m.parent_round}, expected {expected_parent}: the chain skips or reorders a round",
+            )
         current.model = self.fetch_checkpoint(r, m.model, layout.model_key(self.run_id, r, m.model.sha256))
         if r == 0:
             if m.outer is not None or m.contributions:
@@ -192,8 +198,12 @@ class _Audit:
             return
         rebuilt = sha256_hex(encode_state(params, checkpoint_metadata(self.run_id, r)))
         if rebuilt != m.model.sha256:
-            self.problem(r, m.update.key, f"round {r - 1}'s model + this update gives sha256 {rebuilt[:12]}…, the "
-                                          f"published model is {m.model.sha256[:12]}…: learners cannot rebuild round {r}")
+            self.problem(
+                r,
+                m.update.key,
+                f"round {r - 1}'s model + this update gives sha256 {rebuilt[:12]}…, the "
+                f"published model is {m.model.sha256[:12]}…: learners cannot rebuild round {r}",
+            )
 
     def check_evaluation(self, r: int, m: Manifest) -> None:
         """A round's evaluation names its model (a missing one is not a loss: it is recomputed)."""
@@ -217,14 +227,18 @@ class _Audit:
         if size is not None and len(data) != size:
             self.problem(r, key, f"{len(data)} bytes, the manifest records {size}")
         elif actual != sha256:
-            self.problem(r, key, f"sha256 {actual[:12]}… ≠ recorded {sha256[:12]}…: bytes changed or swapped after publishing")
+            self.problem(
+                r, key, f"sha256 {actual[:12]}… ≠ recorded {sha256[:12]}…: bytes changed or swapped after publishing"
+            )
         else:
             return data
         return None
 
     def fetch_checkpoint(self, r: int, ref: ObjectRef, expected_key: str) -> bytes | None:
         if ref.key != expected_key:
-            self.problem(r, ref.key, f"named as round {r}'s object, but its content address in round {r} is {expected_key}")
+            self.problem(
+                r, ref.key, f"named as round {r}'s object, but its content address in round {r} is {expected_key}"
+            )
         return self.fetch(r, self.stores.global_, ref.key, ref.sha256, ref.bytes)
 
     def region_store(self, r: int, key: str, region: str | None) -> ObjectStore | None:
@@ -242,8 +256,12 @@ class _Audit:
     def walk_deltas(self, r: int, m: Manifest) -> None:
         self.applied += sum(c.tokens for c in m.contributions)
         if m.tokens_applied and m.tokens_applied != self.applied:  # 0: written before the field existed
-            self.problem(r, layout.manifest_key(self.run_id, r), f"says {m.tokens_applied:,} tokens applied so far; "
-                         f"its contributions and its parents' add up to {self.applied:,}")
+            self.problem(
+                r,
+                layout.manifest_key(self.run_id, r),
+                f"says {m.tokens_applied:,} tokens applied so far; "
+                f"its contributions and its parents' add up to {self.applied:,}",
+            )
         for c in m.contributions:
             self.claim(r, c.key)
             self.books[c.learner]["applied"] += c.tokens
@@ -263,25 +281,38 @@ class _Audit:
 
     def check_claims(self, r: int, c: Contribution, meta: dict[str, str]) -> None:
         """What the delta says about itself must be what the manifest recorded."""
-        recorded = {"run": self.run_id, "learner": c.learner, "phase": str(c.phase),
-                    "base_round": str(c.base_round), "tokens": str(c.tokens)}
+        recorded = {
+            "run": self.run_id,
+            "learner": c.learner,
+            "phase": str(c.phase),
+            "base_round": str(c.base_round),
+            "tokens": str(c.tokens),
+        }
         wrong = {k: meta.get(k) for k, v in recorded.items() if meta.get(k) != v}
         if wrong:
             self.problem(r, c.key, f"delta metadata {wrong} disagrees with the manifest's record")
         if c.staleness != r - 1 - c.base_round:
-            self.problem(r, c.key, f"staleness {c.staleness} recorded, but round {r - 1} − base round {c.base_round} = {r - 1 - c.base_round}")
+            self.problem(
+                r,
+                c.key,
+                f"staleness {c.staleness} recorded, but round {r - 1} − base round {c.base_round} = {r - 1 - c.base_round}",
+            )
 
     # -- replay ------------------------------------------------------------------------------
     def replay_round(self, current: _Round, parent: _Round | None) -> None:
         r, m = current.round, current.manifest
         if r == 0:
             initial = build_model(self.config.model, self.config.seed).state_dict()
-            if self.same_bits(r, m.model, _as_published(current.model, {k: v.detach().clone() for k, v in initial.items()})):
+            if self.same_bits(
+                r, m.model, _as_published(current.model, {k: v.detach().clone() for k, v in initial.items()})
+            ):
                 self.report.replayed += 1
             return
         unverified = (parent.model, current.model, current.outer, current.update) if parent is not None else (None,)
         if any(b is None for b in unverified) or (r > 1 and parent.outer is None):
-            self.report.notes.append(f"round {r} not replayed: its own or its parent's checkpoint failed the checks above")
+            self.report.notes.append(
+                f"round {r} not replayed: its own or its parent's checkpoint failed the checks above"
+            )
             return
         rule = MergeSettings(**{k: m.hyper[k] for k in RULE_FIELDS})
         if not self.plan_matches(r, current.key, m, rule):
@@ -344,8 +375,11 @@ class _Audit:
         """The replayed object's bytes hash as the published ones."""
         sha = sha256_hex(replayed)
         if sha != ref.sha256:
-            self.problem(r, ref.key, f"replay gives sha256 {sha[:12]}…, published {ref.sha256[:12]}…: "
-                                     "not the merge of its recorded deltas")
+            self.problem(
+                r,
+                ref.key,
+                f"replay gives sha256 {sha[:12]}…, published {ref.sha256[:12]}…: not the merge of its recorded deltas",
+            )
             return False
         return True
 
@@ -366,11 +400,17 @@ class _Audit:
             row["lost"] = row["trained"] - accounted
             where = layout.learner_state_prefix(self.run_id, learner)
             if row["lost"] > 0:
-                self.problem(None, where, f"{row['lost']:,} tokens trained by {learner} are neither applied, dropped "
-                                          "nor pending: a delta was deleted or its record is wrong")
+                self.problem(
+                    None,
+                    where,
+                    f"{row['lost']:,} tokens trained by {learner} are neither applied, dropped "
+                    "nor pending: a delta was deleted or its record is wrong",
+                )
             elif row["lost"] < 0:
-                self.report.notes.append(f"{learner}: {-row['lost']:,} tokens were trained twice (a delta written "
-                                         "before a restart from an older saved state)")
+                self.report.notes.append(
+                    f"{learner}: {-row['lost']:,} tokens were trained twice (a delta written "
+                    "before a restart from an older saved state)"
+                )
             self.report.ledger[learner] = {c: row[c] for c in LEDGER}
 
     def pending_claim(self, store: ObjectStore, key: str) -> int:
@@ -385,8 +425,11 @@ class _Audit:
         store = self.stores.regions.get(region)
         if store is None:
             return None
-        states = {p: k for k in store.list(layout.learner_state_prefix(self.run_id, learner))
-                  if (p := layout.parse_state_key(k)) is not None}
+        states = {
+            p: k
+            for k in store.list(layout.learner_state_prefix(self.run_id, learner))
+            if (p := layout.parse_state_key(k)) is not None
+        }
         if not states:
             return None
         key = states[max(states)]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-from tasks.core.config import RunConfig
 from storage.store import Stores
+from tasks.core.config import RunConfig
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 

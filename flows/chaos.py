@@ -56,7 +56,7 @@ class Chaos:
     dead: set[str] = field(default_factory=set)  # regions killed and not relaunched yet
 
     @classmethod
-    def parse(cls, specs: list[str]) -> "Chaos":
+    def parse(cls, specs: list[str]) -> Chaos:
         """Specs as given to --chaos (each may be comma-separated)."""
         chaos = cls()
         for part in (p.strip() for spec in specs for p in spec.split(",")):
@@ -67,12 +67,16 @@ class Chaos:
     def _add(self, part: str) -> None:
         kind, sep, rest = part.partition(":")
         if not sep or kind not in KINDS:
-            raise ChaosError(f"--chaos {part!r}: start with one of {', '.join(k + ':' for k in KINDS)}, e.g. kill:eu-west@round3")
+            raise ChaosError(
+                f"--chaos {part!r}: start with one of {', '.join(k + ':' for k in KINDS)}, e.g. kill:eu-west@round3"
+            )
         target, _, when = rest.partition("@")
         if kind in ("kill", "restart"):
             m = _ROUND.match(when)
             if not target or not m or int(m.group(1)) < 1:
-                raise ChaosError(f"--chaos {part!r}: write {kind}:REGION@roundN with N >= 1, e.g. {kind}:eu-west@round3")
+                raise ChaosError(
+                    f"--chaos {part!r}: write {kind}:REGION@roundN with N >= 1, e.g. {kind}:eu-west@round3"
+                )
             (self.kills if kind == "kill" else self.restarts).setdefault(int(m.group(1)), []).append(target)
         elif kind == "stall":
             m = _STALL.match(when)
@@ -84,9 +88,7 @@ class Chaos:
             m = _ROUND.match(at) if at else None
             if target != "synchronizer" or point not in SYNCHRONIZER_POINTS or (at and not m):
                 valid = ", ".join(p for p in POINTS if p in SYNCHRONIZER_POINTS)
-                raise ChaosError(
-                    f"--chaos {part!r}: write crash:synchronizer@POINT[@roundN]; POINT is one of {valid}"
-                )
+                raise ChaosError(f"--chaos {part!r}: write crash:synchronizer@POINT[@roundN]; POINT is one of {valid}")
             self.crashes.append((point, int(m.group(1)) if m else None))
 
     def check(self, regions: list[str], rounds: int) -> None:
@@ -95,9 +97,13 @@ class Chaos:
             for r, targets in plan.items():
                 unknown = sorted(set(targets) - set(regions))
                 if unknown:
-                    raise ChaosError(f"--chaos {kind}:{unknown[0]}@round{r}: no such region; regions are {', '.join(regions)}")
+                    raise ChaosError(
+                        f"--chaos {kind}:{unknown[0]}@round{r}: no such region; regions are {', '.join(regions)}"
+                    )
                 if r >= rounds:
-                    raise ChaosError(f"--chaos {kind}:{targets[0]}@round{r}: the run ends at round {rounds}; pick a round below it")
+                    raise ChaosError(
+                        f"--chaos {kind}:{targets[0]}@round{r}: the run ends at round {rounds}; pick a round below it"
+                    )
         for point, r in self.crashes:
             if r is not None and r > rounds:
                 raise ChaosError(f"--chaos crash:synchronizer@{point}@round{r}: the run has only {rounds} rounds")
@@ -114,8 +120,9 @@ class Chaos:
             outcome = "killed (SIGKILL)" if proc.returncode == -signal.SIGKILL else f"exited with {proc.returncode}"
             self._note(f"round {r}: synchronizer {outcome} at {point}; the driver resumes the round")
 
-    def after_round(self, run: str, r: int, learners: list[tuple[str, str, int]],
-                    relaunch: Callable[[str, str], UUID]) -> list[UUID]:
+    def after_round(
+        self, run: str, r: int, learners: list[tuple[str, str, int]], relaunch: Callable[[str, str], UUID]
+    ) -> list[UUID]:
         """Kill (and relaunch) the learners due at round r; returns the new learner runs."""
         from flows.learner_runs import kill_learners
 

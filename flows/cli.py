@@ -49,11 +49,17 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--corpus", help="fsspec URL or glob of the training text (default: stdlib)")
     run.add_argument("--model", help="tiny or small")
     run.add_argument("--codec", help="fp32, bf16, int8, int4, int3 or int2")
-    run.add_argument("--speed", type=_speed, action="append", metavar="REGION=FACTOR", help="slow a region down (repeatable)")
+    run.add_argument(
+        "--speed", type=_speed, action="append", metavar="REGION=FACTOR", help="slow a region down (repeatable)"
+    )
     run.add_argument("--json", action="store_true", help="end with one JSON object")
-    run.add_argument("--chaos", action="append", metavar="SPEC",
-                     help="inject a fault (repeatable or comma-separated): kill:REGION@roundN, restart:REGION@roundN, "
-                          "stall:s3@40s+20s, crash:synchronizer@POINT[@roundN]")
+    run.add_argument(
+        "--chaos",
+        action="append",
+        metavar="SPEC",
+        help="inject a fault (repeatable or comma-separated): kill:REGION@roundN, restart:REGION@roundN, "
+        "stall:s3@40s+20s, crash:synchronizer@POINT[@roundN]",
+    )
 
     up = sub.add_parser("up", help="start the local S3 endpoint, Prefect server + UI and learner runner")
     up.add_argument("--regions", help="regional buckets to create (default: the demo's)")
@@ -69,7 +75,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--inner-steps", type=int, default=100, help="H, inner steps per phase")
     pl.add_argument("--replicas", type=int, default=4, help="regions (workers) that exchange updates")
     pl.add_argument("--bits", type=int, default=4, help="bits per value of the decoupled delta (codec)")
-    pl.add_argument("--checkpoint-bits", type=int, default=32, help="bits per value of the checkpoint learners download")
+    pl.add_argument(
+        "--checkpoint-bits", type=int, default=32, help="bits per value of the checkpoint learners download"
+    )
     pl.add_argument("--overlap", type=int, help="steps of compute a decoupled transfer hides behind (default: H)")
     pl.add_argument("--utilization", type=float, default=0.95, help="target compute utilization, e.g. 0.95")
     pl.add_argument("--link-gbps", type=float, default=2.0, help="link for the checkpoint transfer time")
@@ -85,8 +93,12 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("run_id")
     st.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
     st.add_argument("--json", action="store_true", help="one JSON object (with --watch: one per line)")
-    st.add_argument("--watch", type=float, metavar="SECONDS",
-                    help="show it again every SECONDS until the run is finished; waits for a run not created yet")
+    st.add_argument(
+        "--watch",
+        type=float,
+        metavar="SECONDS",
+        help="show it again every SECONDS until the run is finished; waits for a run not created yet",
+    )
 
     aud = sub.add_parser("audit", help="verify a run from storage: hash chain, objects, token ledger")
     aud.add_argument("run_id")
@@ -98,9 +110,19 @@ def parser() -> argparse.ArgumentParser:
 
 def overrides(args: argparse.Namespace) -> dict:
     out: dict = {}
-    simple = {"run_id": "run_id", "rounds": "rounds", "target_loss": "target_loss", "token_budget": "token_budget",
-              "eval_every": "eval_every", "inner_steps": "inner_steps", "store": "store", "corpus": "corpus",
-              "model": "model", "codec": "codec", "learners_per_region": "learners_per_region"}
+    simple = {
+        "run_id": "run_id",
+        "rounds": "rounds",
+        "target_loss": "target_loss",
+        "token_budget": "token_budget",
+        "eval_every": "eval_every",
+        "inner_steps": "inner_steps",
+        "store": "store",
+        "corpus": "corpus",
+        "model": "model",
+        "codec": "codec",
+        "learners_per_region": "learners_per_region",
+    }
     for attr, field in simple.items():
         if getattr(args, attr, None) is not None:
             out[field] = getattr(args, attr)
@@ -130,12 +152,17 @@ def bring_up(stack_scope: ExitStack, buckets: list[str], s3_front=None) -> tuple
     data_dir = default_data_dir()
     running = find_running(data_dir)
     if running and s3_front is not None:
-        raise ConfigError(f"--chaos stall:s3 needs a stack of its own, but `islands up` is serving {data_dir}; "
-                          "stop it, or set ISLANDS_HOME to another folder")
+        raise ConfigError(
+            f"--chaos stall:s3 needs a stack of its own, but `islands up` is serving {data_dir}; "
+            "stop it, or set ISLANDS_HOME to another folder"
+        )
     if running:
         create_buckets(running["s3_url"], buckets)
         return {**stack_env(data_dir, running["s3_url"], running["api_url"]), "ISLANDS_UI_URL": running["ui_url"]}, True
-    print(f"islands: starting the embedded stack (S3 endpoint, Prefect server, learner runner) in {data_dir} …", file=sys.stderr)
+    print(
+        f"islands: starting the embedded stack (S3 endpoint, Prefect server, learner runner) in {data_dir} …",
+        file=sys.stderr,
+    )
     stack = stack_scope.enter_context(LocalStack(data_dir, buckets, s3_front=s3_front))
     return {**stack.env(), "ISLANDS_UI_URL": stack.ui_url}, False
 
@@ -183,8 +210,9 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) ->
             return fail("--chaos stall:s3 works on the embedded S3 endpoint only; drop --store")
         if config.store is None or "PREFECT_API_URL" not in os.environ:
             try:
-                env, reused = bring_up(scope, ["islands-global", *(f"islands-{r}" for r in config.regions)],
-                                       s3_front if stalls else None)
+                env, reused = bring_up(
+                    scope, ["islands-global", *(f"islands-{r}" for r in config.regions)], s3_front if stalls else None
+                )
             except ConfigError as exc:
                 return fail(str(exc))
             if config.store is not None:
@@ -204,8 +232,11 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) ->
             proxies[0].stall(stall.at_s, stall.for_s)
         summary = training_run(config, chaos or None)
         for stall in stalls:
-            print(f"islands: chaos: S3 stalled for {stall.for_s:g} s from {stall.at_s:g} s into the run; "
-                  f"{proxies[0].held} transfers were held and went through after it", file=sys.stderr)
+            print(
+                f"islands: chaos: S3 stalled for {stall.for_s:g} s from {stall.at_s:g} s into the run; "
+                f"{proxies[0].held} transfers were held and went through after it",
+                file=sys.stderr,
+            )
         ui = os.environ.get("ISLANDS_UI_URL")
         if ui:
             hint = f"open {ui}" if reused else "run `islands up` to browse it again (its S3 buckets are restored)"
@@ -259,7 +290,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from infra.stack import LocalStack, default_data_dir
 
     regions = args.regions.split(",") if args.regions else RunConfig().regions
-    with LocalStack(default_data_dir(), ["islands-global", *(f"islands-{r}" for r in regions)]).start(record=True) as stack:
+    with LocalStack(default_data_dir(), ["islands-global", *(f"islands-{r}" for r in regions)]).start(
+        record=True
+    ) as stack:
         print(f"S3 endpoint : {stack.s3_url}   (AWS_ENDPOINT_URL; buckets islands-global, islands-<region>)")
         print(f"Prefect API : {stack.api_url}")
         print(f"Prefect UI  : {stack.ui_url}")
@@ -275,8 +308,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail(str(exc))
     scheduled = args.interval is not None or args.cron is not None
     if scheduled and config.run_id is not None:
-        return fail(f"run_id: fixed to {config.run_id!r}, so every scheduled run would continue that one run; "
-                    "remove run_id from the config so each run gets a fresh one")
+        return fail(
+            f"run_id: fixed to {config.run_id!r}, so every scheduled run would continue that one run; "
+            "remove run_id from the config so each run gets a fresh one"
+        )
     with ExitStack() as scope:
         embedded = "PREFECT_API_URL" not in os.environ
         if embedded:
@@ -321,9 +356,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """Exit 0 when every check holds, 1 naming each round and object that does not."""
+    from flows.audit import audit_run
     from storage.rounds import read_config
     from storage.store import ObjectMissing, StoreError, Stores
-    from flows.audit import audit_run
 
     with ExitStack() as scope:
         if args.store is None:
@@ -346,8 +381,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     try:
         w = Workload(
-            params=args.params, step_s=args.step_time, inner_steps=args.inner_steps, replicas=args.replicas,
-            utilization=args.utilization, delta_bits=args.bits, checkpoint_bits=args.checkpoint_bits,
+            params=args.params,
+            step_s=args.step_time,
+            inner_steps=args.inner_steps,
+            replicas=args.replicas,
+            utilization=args.utilization,
+            delta_bits=args.bits,
+            checkpoint_bits=args.checkpoint_bits,
             overlap_steps=args.inner_steps if args.overlap is None else args.overlap,
         )
         print("\n".join(report(w, args.link_gbps, args.checkpoint_bits)))
@@ -358,7 +398,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    commands = {"run": cmd_run, "up": cmd_up, "resume": cmd_resume, "serve": cmd_serve, "status": cmd_status, "audit": cmd_audit, "plan": cmd_plan}
+    commands = {
+        "run": cmd_run,
+        "up": cmd_up,
+        "resume": cmd_resume,
+        "serve": cmd_serve,
+        "status": cmd_status,
+        "audit": cmd_audit,
+        "plan": cmd_plan,
+    }
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

@@ -66,7 +66,9 @@ def learner(run_id: str, learner: str, store: str, driver: int | None = None, cr
     """
     log = get_run_logger()
     if crash is not None and parse(crash)[0] not in LEARNER_POINTS:
-        raise CrashSpecError(f"crash={crash!r} is not a learner crash point; use one of {', '.join(sorted(LEARNER_POINTS))}")
+        raise CrashSpecError(
+            f"crash={crash!r} is not a learner crash point; use one of {', '.join(sorted(LEARNER_POINTS))}"
+        )
     record_process()
     global_only = Stores(store, [])
     config = read_config(global_only.global_, run_id)
@@ -74,8 +76,14 @@ def learner(run_id: str, learner: str, store: str, driver: int | None = None, cr
     epoch = driver if driver is not None else max(lease.epochs(session.global_store, run_id), default=0)
     session.watch = lease.Watch(session.global_store, run_id, epoch)
     session.crash = crash
-    log.info("%s learner %s (%s) starts at phase %d under driver epoch %d", run_id, learner, session.region,
-             session.next_phase, epoch)
+    log.info(
+        "%s learner %s (%s) starts at phase %d under driver epoch %d",
+        run_id,
+        learner,
+        session.region,
+        session.next_phase,
+        epoch,
+    )
     phases = tokens = 0
     session.follow(POLL_S)
     while next_base(session) is not None:
@@ -84,6 +92,13 @@ def learner(run_id: str, learner: str, store: str, driver: int | None = None, cr
         tokens += out.get("tokens", 0)
     session.rounds.close()
     session.uploads.close()  # the last phase's delta and state are in storage before the run ends
-    log.info("%s learner %s (%s) done: %d phases, %d tokens%s", run_id, learner, session.region, phases, tokens,
-             f"; stopped: {session.halt}" if session.halt else "")
+    log.info(
+        "%s learner %s (%s) done: %d phases, %d tokens%s",
+        run_id,
+        learner,
+        session.region,
+        phases,
+        tokens,
+        f"; stopped: {session.halt}" if session.halt else "",
+    )
     return {"learner": learner, "phases": phases, "tokens": tokens, "halt": session.halt}

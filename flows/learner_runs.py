@@ -66,7 +66,9 @@ def kill_learners(run: str, region: str, timeout_s: float = 60.0) -> list[str]:
     for r in runs:
         where, _, pid = r.infrastructure_pid.rpartition(":")
         if where != host:
-            raise RuntimeError(f"{run}: learner run {r.name} runs on {where}; only learners on this machine can be killed")
+            raise RuntimeError(
+                f"{run}: learner run {r.name} runs on {where}; only learners on this machine can be killed"
+            )
         os.kill(int(pid), signal.SIGKILL)
         pids.append(int(pid))
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import torch
-
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -58,7 +57,9 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     # One learner's share of the cores: more threads only spin against the learners beside it.
     torch.set_num_threads(config.threads_per_learner())
     if stores.global_.exists(layout.manifest_key(run_id, round)):  # rounds are published in order
-        log.info("%s round %d is already published; nothing to do but its evaluation, if due and missing", run_id, round)
+        log.info(
+            "%s round %d is already published; nothing to do but its evaluation, if due and missing", run_id, round
+        )
         manifest = read_manifest(stores.global_, run_id, round)[0]
         loss = round_loss(config, stores.global_, manifest)
         return {**summarize(evaluated(manifest, loss)), "outcome": "already-published"}
@@ -78,8 +79,13 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
         # θ_r in memory is the round's unless another synchronizer's round was adopted. A round
         # just committed and not due has no evaluation to read.
         due = config.evaluates(round, published.manifest.tokens_applied)
-        loss = evaluate_round(config, stores.global_, published.manifest,
-                              merged.model if published.outcome != "adopted" else None) if due else None
+        loss = (
+            evaluate_round(
+                config, stores.global_, published.manifest, merged.model if published.outcome != "adopted" else None
+            )
+            if due
+            else None
+        )
     finally:
         state.drop_spool()
     manifest = evaluated(published.manifest, loss)

@@ -71,7 +71,9 @@ def line_chart(series: Series, x_label: str, y_label: str) -> str:
         for x, y in pts:
             out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{width}" fill="{color}"/>')
         ly = TOP + 14 + 16 * i
-        out.append(f'<line x1="{WIDTH - RIGHT + 12}" x2="{WIDTH - RIGHT + 32}" y1="{ly - 4}" y2="{ly - 4}" stroke="{color}" stroke-width="{width}"/>')
+        out.append(
+            f'<line x1="{WIDTH - RIGHT + 12}" x2="{WIDTH - RIGHT + 32}" y1="{ly - 4}" y2="{ly - 4}" stroke="{color}" stroke-width="{width}"/>'
+        )
         out.append(f'<text x="{WIDTH - RIGHT + 38}" y="{ly}">{escape(name)}</text>')
     out.append("</svg>")
     return "\n".join(out)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from tasks.core.config import RunConfig
 from storage.manifest import Manifest
+from tasks.core.config import RunConfig
 
 
 def mb(n: int) -> str:
@@ -31,7 +31,9 @@ class ProgressView:
             f"(slowed: {slow}); H={config.inner_steps}, Q_min={config.quorum.min_quorum}, "
             f"{config.end_rule()}; round {newest.round} eval loss {loss_text(newest.eval_loss)}"
         )
-        self.console.print(f"[dim]{'round':>5}  {'closed by':<12} {'wait s':>6}  {'eval loss':>9}  {'in':>8}  contributors (learner@staleness)[/]")
+        self.console.print(
+            f"[dim]{'round':>5}  {'closed by':<12} {'wait s':>6}  {'eval loss':>9}  {'in':>8}  contributors (learner@staleness)[/]"
+        )
 
     def round(self, s: dict) -> None:
         line = (

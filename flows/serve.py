@@ -27,10 +27,10 @@ from prefect import Flow
 from prefect.exceptions import TerminationSignal
 from prefect.runner import Runner
 
-from tasks.core.config import RunConfig
 from flows.learner import learner
 from flows.outer_round import outer_round
 from flows.training_run import training_run
+from tasks.core.config import RunConfig
 
 DEPLOYMENT = "local"
 # Runs this machine may execute at once: every learner of a run plus its driver.
@@ -61,19 +61,25 @@ def learner_deployment() -> Deployment:
 def driver_deployments(config: RunConfig, interval_s: float | None = None, cron: str | None = None) -> list[Deployment]:
     """training-run/local (with `config` as the form's defaults and an optional schedule) and
     outer-round/local (to publish or retry one round by hand)."""
-    run = Deployment(training_run, {
-        "description": "Train a run: launch the learners, publish outer rounds, report.",
-        "parameters": {"config": config.model_dump(mode="json")},
-        "interval": timedelta(seconds=interval_s) if interval_s is not None else None,
-        "cron": cron,
-        "enforce_parameter_schema": True,
-        "tags": ["islands"],
-    })
-    round_ = Deployment(outer_round, {
-        "description": "Publish one outer round of an existing run from the deltas already in storage.",
-        "enforce_parameter_schema": True,
-        "tags": ["islands"],
-    })
+    run = Deployment(
+        training_run,
+        {
+            "description": "Train a run: launch the learners, publish outer rounds, report.",
+            "parameters": {"config": config.model_dump(mode="json")},
+            "interval": timedelta(seconds=interval_s) if interval_s is not None else None,
+            "cron": cron,
+            "enforce_parameter_schema": True,
+            "tags": ["islands"],
+        },
+    )
+    round_ = Deployment(
+        outer_round,
+        {
+            "description": "Publish one outer round of an existing run from the deltas already in storage.",
+            "enforce_parameter_schema": True,
+            "tags": ["islands"],
+        },
+    )
     return [run, round_]
 
 

@@ -13,12 +13,13 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 
-from tasks.core.config import EMBEDDED_STORE, RunConfig
 from flows.progress import loss_text
 from storage import layout
 from storage.manifest import Manifest
 from storage.rounds import object_metadata, read_chain, read_config, stop_requested, with_eval_losses
 from storage.store import ObjectMissing, StoreError, Stores
+from tasks.core.config import EMBEDDED_STORE, RunConfig
+
 LATE_AFTER = 2.0  # usual phase times without a new delta before a learner counts as late
 DEAD_AFTER = 5.0  # ... and as dead
 BAD_ENDINGS = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
@@ -42,7 +43,9 @@ def locate(store: str | None) -> str:
     saved = data_dir / "s3"
     if (saved / "islands-global").is_dir():
         return f"file://{saved}/islands-{{bucket}}"
-    raise StoreError(f"no store to read: pass --store, set AWS_ENDPOINT_URL, or start `islands up` (looked in {data_dir})")
+    raise StoreError(
+        f"no store to read: pass --store, set AWS_ENDPOINT_URL, or start `islands up` (looked in {data_dir})"
+    )
 
 
 def learner_flow_states(run_id: str) -> dict[str, str] | None:
@@ -58,7 +61,9 @@ def learner_flow_states(run_id: str) -> dict[str, str] | None:
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_id]), name=FlowRunFilterName(like_="learner-")),
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[run_id]), name=FlowRunFilterName(like_="learner-")
+            ),
             sort=FlowRunSort.EXPECTED_START_TIME_ASC,
         )
     # Ascending, so a restarted learner's newest run wins.
@@ -106,8 +111,9 @@ def liveness(finished: bool, flow_state: str | None, age_s: float, usual_s: floa
     return "late" if age_s <= DEAD_AFTER * usual_s else "dead"
 
 
-def learner_rows(config: RunConfig, stores: Stores, chain: list[Manifest], finished: bool,
-                 states: dict[str, str] | None, now: float) -> list[dict]:
+def learner_rows(
+    config: RunConfig, stores: Stores, chain: list[Manifest], finished: bool, states: dict[str, str] | None, now: float
+) -> list[dict]:
     started = datetime.fromisoformat(chain[0].created_at).timestamp()
     rows = []
     for learner, region, _ in config.learners():
@@ -117,17 +123,21 @@ def learner_rows(config: RunConfig, stores: Stores, chain: list[Manifest], finis
         usual = statistics.median(seconds) + config.learner_wait_s if seconds else None
         age = now - (newest["finished_at"] if newest else started)
         state = states.get(learner) if states is not None else None
-        rows.append({
-            "learner": learner,
-            "region": region,
-            "status": liveness(finished, state, age, usual),
-            "flow_run": state,
-            "newest_phase": newest["phase"] if newest else None,
-            "newest_delta_age_s": round(age, 1) if newest else None,
-            "usual_phase_s": round(usual, 1) if usual is not None else None,
-            "rounds_contributed": len({m.round for m in chain if any(c.learner == learner for c in m.contributions)}),
-            "tokens_merged": sum(c.tokens for c in merged),
-        })
+        rows.append(
+            {
+                "learner": learner,
+                "region": region,
+                "status": liveness(finished, state, age, usual),
+                "flow_run": state,
+                "newest_phase": newest["phase"] if newest else None,
+                "newest_delta_age_s": round(age, 1) if newest else None,
+                "usual_phase_s": round(usual, 1) if usual is not None else None,
+                "rounds_contributed": len(
+                    {m.round for m in chain if any(c.learner == learner for c in m.contributions)}
+                ),
+                "tokens_merged": sum(c.tokens for c in merged),
+            }
+        )
     return rows
 
 
@@ -148,8 +158,9 @@ def run_status(run_id: str, store: str | None = None, now: float | None = None) 
     if not chain:
         raise NoSuchRun(f"{run_id}: created in {template}, its round 0 not published yet")
     newest = chain[-1]
-    finished = (config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied) is not None
-                or stop_requested(stores.global_, run_id))
+    finished = config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied) is not None or stop_requested(
+        stores.global_, run_id
+    )
     return {
         "run_id": run_id,
         "store": template,
@@ -186,7 +197,11 @@ def render(s: dict) -> str:
         f"{s['run_id']}: {s['state']}, {s['rounds_published']}/{s['rounds_target']} rounds published; "
         f"latest eval loss {loss_text(s['eval_loss'])} (round {s['rounds_published']})"
         + (f", target {s['target_loss']:g}" if s["target_loss"] is not None else "")
-        + (f"; {s['tokens_applied']:,} of {s['token_budget']:,} budgeted tokens merged" if s["token_budget"] is not None else ""),
+        + (
+            f"; {s['tokens_applied']:,} of {s['token_budget']:,} budgeted tokens merged"
+            if s["token_budget"] is not None
+            else ""
+        ),
         f"store {s['store']}; Prefect {s['prefect_api'] or 'not reachable (learner states from storage only)'}",
         "",
         f"{'round':>5}  {'closed by':<12} {'in':>5}  {'eval loss':>9}  contributors (learner@staleness)",
@@ -197,7 +212,10 @@ def render(s: dict) -> str:
             f"{r['round']:>5}  {r['closed_by']:<12} {r['received']:>2}/{r['max_quorum']:<2}  {loss_text(r['eval_loss']):>9}  "
             f"{', '.join(r['contributors'])}{extra}"
         )
-    lines += ["", f"{'learner':<16} {'region':<12} {'status':<9} {'phase':>5} {'delta age':>9} {'usual':>7} {'rounds':>6}  flow run"]
+    lines += [
+        "",
+        f"{'learner':<16} {'region':<12} {'status':<9} {'phase':>5} {'delta age':>9} {'usual':>7} {'rounds':>6}  flow run",
+    ]
     for row in s["learners"]:
         age = f"{row['newest_delta_age_s']:.0f} s" if row["newest_delta_age_s"] is not None else "—"
         usual = f"{row['usual_phase_s']:.0f} s" if row["usual_phase_s"] is not None else "—"

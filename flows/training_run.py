@@ -25,14 +25,14 @@ from prefect.states import Cancelling
 
 from flows.artifacts import RunProgress, publish_report
 from flows.buckets import prepare_buckets
-from tasks.core.config import RunConfig, new_run_id, store_template
-from flows.outer_round import outer_round, summarize
-from flows.progress import ProgressView
 from flows.chaos import Chaos
 from flows.learner_runs import retire_learners
+from flows.outer_round import outer_round, summarize
+from flows.progress import ProgressView
 from storage import layout, lease
 from storage.rounds import evaluated, latest_round, object_metadata, read_chain, with_eval_losses
 from storage.store import Stores
+from tasks.core.config import RunConfig, new_run_id, store_template
 from tasks.crash import LEARNER_POINTS, armed, crash_point, parse
 from tasks.evaluate import round_loss
 from tasks.publish import publish_initial
@@ -52,7 +52,9 @@ def create_run(config: RunConfig, stores: Stores) -> None:
     if not stores.global_.put_if_absent(layout.config_key(config.run_id), body):
         existing = json.loads(stores.global_.get(layout.config_key(config.run_id)))
         if existing != config.model_dump(mode="json"):
-            raise ValueError(f"run {config.run_id} already exists with another config; choose a new --run-id or `islands resume`")
+            raise ValueError(
+                f"run {config.run_id} already exists with another config; choose a new --run-id or `islands resume`"
+            )
     if latest_round(stores.global_, config.run_id) is None:
         publish_initial(config, config.run_id, stores)
 
@@ -66,7 +68,13 @@ def learner_crash() -> str | None:
 def launch_learner(config: RunConfig, store: str, learner: str, region: str, epoch: int) -> UUID:
     fr = run_deployment(
         config.learner_deployment.replace("{region}", region),
-        parameters={"run_id": config.run_id, "learner": learner, "store": store, "driver": epoch, "crash": learner_crash()},
+        parameters={
+            "run_id": config.run_id,
+            "learner": learner,
+            "store": store,
+            "driver": epoch,
+            "crash": learner_crash(),
+        },
         flow_run_name=f"learner-{learner}",
         timeout=0,
         tags=[config.run_id, region],
@@ -118,7 +126,10 @@ def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, in
             read += int(meta.get("io_read", 0))
         out[region] = {"written": written, "read": read}
     g = stores.global_.io
-    out["synchronizer"] = {"written": g.bytes_written, "read": g.bytes_read + sum(s.io.bytes_read for s in stores.regions.values())}
+    out["synchronizer"] = {
+        "written": g.bytes_written,
+        "read": g.bytes_read + sum(s.io.bytes_read for s in stores.regions.values()),
+    }
     return out
 
 
@@ -158,8 +169,14 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
         log.warning("%s: learner runs %s of an earlier driver never ended; marked cancelled", run, ", ".join(retired))
     ended = config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied)
     learner_ids = launch_learners(config, store, epoch) if ended is None else []
-    log.info("%s: %d learners launched under driver epoch %d; from round %d until %s", run, len(learner_ids), epoch,
-             start + 1, config.end_rule())
+    log.info(
+        "%s: %d learners launched under driver epoch %d; from round %d until %s",
+        run,
+        len(learner_ids),
+        epoch,
+        start + 1,
+        config.end_rule(),
+    )
     try:
         r = start
         while ended is None:

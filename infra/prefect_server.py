@@ -15,7 +15,6 @@ from pathlib import Path
 from infra import prefect_db
 from infra.process import LOOPBACK, free_port, http_status, spawn, stop_group, wait_ready
 
-
 # Server services the embedded stack never uses: automations (triggers), work-pool workers
 # (foreman, cleanup_reconciler), late-run marking, pauses and concurrency leases. Each polls the
 # database or reacts to every event, which on two cores slows the runs beside it. The scheduler
@@ -73,8 +72,7 @@ class PrefectServer:
         port = free_port()
         self._api_url = f"http://{LOOPBACK}:{port}/api"
         self._proc = spawn(
-            [sys.executable, "-m", "prefect", "server", "start",
-             "--host", LOOPBACK, "--port", str(port)],
+            [sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)],
             {
                 **env,
                 # The UI asks the server where the API is; without these it says :4200.

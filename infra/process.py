@@ -84,8 +84,7 @@ def wait_ready(
             )
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"{what} was not ready after {timeout:.0f} s. "
-                f"Last lines of {log_path}:\n{log_tail(log_path)}"
+                f"{what} was not ready after {timeout:.0f} s. Last lines of {log_path}:\n{log_tail(log_path)}"
             )
         time.sleep(0.2)
 

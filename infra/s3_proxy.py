@@ -99,7 +99,7 @@ class S3Proxy:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def __enter__(self) -> "S3Proxy":
+    def __enter__(self) -> S3Proxy:
         self.start()
         return self
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import subprocess
 import sys
-import os
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path

@@ -62,11 +62,7 @@ def find_running(data_dir: Path) -> dict | None:
     path = data_dir / STATE_FILE
     try:
         record = json.loads(path.read_text())
-        alive = (
-            pid_alive(int(record["pid"]))
-            and api_healthy(record["api_url"])
-            and s3_answers(record["s3_url"])
-        )
+        alive = pid_alive(int(record["pid"])) and api_healthy(record["api_url"]) and s3_answers(record["s3_url"])
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):
@@ -83,8 +79,14 @@ class LocalStack:
     Stopping saves every bucket to `<data_dir>/s3` first; starting restores it.
     """
 
-    def __init__(self, data_dir: Path, buckets: list[str], serve_learners: bool = True,
-                 s3_front: Callable[[str], str] | None = None, keep: bool = True):
+    def __init__(
+        self,
+        data_dir: Path,
+        buckets: list[str],
+        serve_learners: bool = True,
+        s3_front: Callable[[str], str] | None = None,
+        keep: bool = True,
+    ):
         """`s3_front` maps the S3 server's URL to the one every client is given (a fault proxy).
         With keep=False the buckets are thrown away at stop instead of saved (a throwaway stack)."""
         self.s3_front = s3_front
@@ -159,12 +161,17 @@ class LocalStack:
     def _record(self) -> None:
         path = self.data_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({
-            "pid": os.getpid(),
-            "s3_url": self.s3_url,
-            "api_url": self.api_url,
-            "ui_url": self.ui_url,
-        }, indent=2))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "s3_url": self.s3_url,
+                    "api_url": self.api_url,
+                    "ui_url": self.ui_url,
+                },
+                indent=2,
+            )
+        )
         tmp.replace(path)
         self._recorded = True
 
@@ -185,8 +192,7 @@ class LocalStack:
             try:
                 snapshot(self.s3_url, self.data_dir / "s3")
             except Exception as error:
-                print(f"islands: could not save the S3 buckets to {self.data_dir / 's3'}: "
-                      f"{error}", file=sys.stderr)
+                print(f"islands: could not save the S3 buckets to {self.data_dir / 's3'}: {error}", file=sys.stderr)
             self._restored = False
         self.prefect.stop()
         self.s3.stop()

@@ -23,8 +23,13 @@ POLL_S = 0.25
 
 
 def regional_get(
-    region: ObjectStore, global_: ObjectStore, run: str, ref: ObjectRef, owner: str,
-    wait_s: float = CLAIM_WAIT_S, sleep: Callable[[float], None] = time.sleep,
+    region: ObjectStore,
+    global_: ObjectStore,
+    run: str,
+    ref: ObjectRef,
+    owner: str,
+    wait_s: float = CLAIM_WAIT_S,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> bytes:
     """The bytes `ref` names, from the region's copy; the region's first reader makes the copy."""
     key = layout.cache_key(run, ref.key)

@@ -194,7 +194,7 @@ class TensorFileWriter:
         self.parts_dir.mkdir()
         self.parts: dict[str, tuple[torch.dtype, list[int], Piece]] = {}
 
-    def __enter__(self) -> "TensorFileWriter":
+    def __enter__(self) -> TensorFileWriter:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
@@ -220,7 +220,9 @@ class TensorFileWriter:
         return _encoded(self.parts, metadata)
 
 
-def _encoded(entries: dict[str, tuple[torch.dtype, list[int], Piece]], metadata: dict[str, str] | None) -> EncodedObject:
+def _encoded(
+    entries: dict[str, tuple[torch.dtype, list[int], Piece]], metadata: dict[str, str] | None
+) -> EncodedObject:
     """The object `encode_state` makes of tensors given as (dtype, shape, their bytes)."""
     # safetensors orders tensors by dtype, then name: ask it, with one-element stand-ins.
     probe = st_save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _, _) in entries.items()})
@@ -259,8 +261,10 @@ class TensorFile:
             rest = fh.read(min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES)) if len(head) == 8 else b""
         table, self.metadata = read_header(head + rest, object_size=size)
         body = 8 + len(rest)
-        self._spans = {name: (body + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
-                       for name, info in table.items()}
+        self._spans = {
+            name: (body + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
+            for name, info in table.items()
+        }
         self.released: set[str] = set()
         check_body_sha256(self.metadata, body_sha256)
         self.codec = self.metadata.get("codec", "fp32")

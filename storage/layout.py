@@ -92,7 +92,7 @@ def cache_key(run: str, global_key: str) -> str:
     rounds = rounds_prefix(run)
     if not global_key.startswith(rounds):
         raise ValueError(f"{global_key} is not an object of a round of run {run}; only those are cached")
-    return f"runs/{run}/cache/" + global_key[len(rounds):]
+    return f"runs/{run}/cache/" + global_key[len(rounds) :]
 
 
 def claim_key(cached_key: str) -> str:

@@ -61,7 +61,7 @@ class Heartbeat:
                 pass
             self._stop.wait(self.every_s)
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         self._thread.start()
         return self
 
@@ -73,8 +73,14 @@ class Heartbeat:
 class Watch:
     """A learner's view of its driver: `verdict()` is None while it may go on."""
 
-    def __init__(self, store: ObjectStore, run: str, epoch: int, lease_s: float = LEASE_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        store: ObjectStore,
+        run: str,
+        epoch: int,
+        lease_s: float = LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.store, self.run, self.epoch, self.lease_s, self.clock = store, run, epoch, lease_s, clock
         self._seq: int | None = None
         self._moved_at = clock()
@@ -91,6 +97,8 @@ class Watch:
         if seq != self._seq:
             self._seq, self._moved_at = seq, self.clock()
         elif self.clock() - self._moved_at > self.lease_s:
-            return (f"driver epoch {self.epoch} has not beaten for {self.lease_s:.0f} s: the driver is gone; "
-                    f"`islands resume {self.run}` continues the run")
+            return (
+                f"driver epoch {self.epoch} has not beaten for {self.lease_s:.0f} s: the driver is gone; "
+                f"`islands resume {self.run}` continues the run"
+            )
         return None

@@ -109,7 +109,7 @@ class Manifest(_Strict):
     tokens_applied: int = 0  # tokens of every delta merged into rounds 1…r: the run's progress
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Manifest":
+    def from_bytes(cls, data: bytes) -> Manifest:
         return cls.model_validate(json.loads(data))
 
     def consumed_keys(self) -> set[str]:

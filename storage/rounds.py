@@ -74,7 +74,9 @@ def with_eval_losses(store: ObjectStore, manifests: list[Manifest]) -> list[Mani
     return out
 
 
-def read_chain(store: ObjectStore, run: str, known: list[tuple[Manifest, str]] | None = None) -> list[tuple[Manifest, str]]:
+def read_chain(
+    store: ObjectStore, run: str, known: list[tuple[Manifest, str]] | None = None
+) -> list[tuple[Manifest, str]]:
     """Every manifest from round 0 to the newest, with the parent links checked.
 
     `known`: a chain this process read and checked before. Committed manifests never change, so
@@ -101,7 +103,9 @@ def put_encoded(store: ObjectStore, key_for_sha, encoded: EncodedObject) -> Obje
     return ObjectRef(key=key, sha256=encoded.sha256, bytes=encoded.size)
 
 
-def put_tensors(store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> ObjectRef:
+def put_tensors(
+    store: ObjectStore, key_for_sha, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> ObjectRef:
     """Write exact tensors under a content-addressed key; a retry finds the same bytes there.
 
     The object is hashed and uploaded straight from the tensors' memory, so its bytes are never

@@ -33,7 +33,7 @@ SINGLE_PUT_MAX = 5 * 2**30  # S3's limit for one PUT; larger files go up in part
 PARTS_AT_ONCE = 4  # multipart upload parts in flight: memory is PARTS_AT_ONCE × CHUNK_BYTES, not 10 × 50 MiB
 STREAM_BREAKS = (HTTPClientError, IncompleteReadError)  # a read timeout, a reset, a short body
 _MEMORY_LOCK = threading.Lock()
-_COUNTERS: dict[str, "IOCounters"] = {}
+_COUNTERS: dict[str, IOCounters] = {}
 
 
 class StoreError(Exception):
@@ -285,8 +285,9 @@ class ObjectStore:
         offset, breaks, same = 0, 0, {}
         while True:
             try:
-                resp = self.fs.call_s3("get_object", Bucket=bucket, Key=path,
-                                       **({"Range": f"bytes={offset}-", **same} if offset else {}))
+                resp = self.fs.call_s3(
+                    "get_object", Bucket=bucket, Key=path, **({"Range": f"bytes={offset}-", **same} if offset else {})
+                )
             except OSError as exc:
                 if not offset:
                     raise
@@ -348,8 +349,7 @@ class ObjectStore:
         self.io.add(lists=1)
         prefix = prefix.rstrip("/") + "/" if prefix else ""
         found = self._s3_list(prefix, start_after) if self.protocol == "s3" else self._fs_list(prefix)
-        return {key: size for key, size in found
-                if "/.tmp-" not in key and (start_after is None or key > start_after)}
+        return {key: size for key, size in found if "/.tmp-" not in key and (start_after is None or key > start_after)}
 
     def _s3_address(self, key: str) -> tuple[str, str]:
         """(bucket, S3 key) of one of this store's keys (the store may sit below a bucket's root)."""
@@ -379,7 +379,7 @@ class ObjectStore:
         root = self.root + "/"
         for path, info in found.items():
             if path.startswith(root) and info.get("type") != "directory":
-                yield path[len(root):], int(info.get("size") or 0)
+                yield path[len(root) :], int(info.get("size") or 0)
 
 
 def bucket_url(template: str, bucket: str) -> str:

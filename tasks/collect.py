@@ -26,8 +26,8 @@ from storage.manifest import Excluded
 from storage.spool import spool
 from storage.store import IntegrityError, ObjectMissing, ObjectStore
 from tasks.core.quorum import Decision, decide
-from tasks.round_state import RoundState
 from tasks.core.validate import check_metadata, check_names, check_tensor, global_norm
+from tasks.round_state import RoundState
 
 READERS = 2  # deltas read at once (see inspect_all)
 
@@ -85,8 +85,10 @@ class DeltaWatch:
             for learner, folder in self.folders.items():
                 found.update(self.store.list(folder, start_after=self.newest[learner] or None))
         newest = self.newest or {}
-        self.newest = {learner: max((k for k in found if k.startswith(folder)), default=newest.get(learner, ""))
-                       for learner, folder in self.folders.items()}
+        self.newest = {
+            learner: max((k for k in found if k.startswith(folder)), default=newest.get(learner, ""))
+            for learner, folder in self.folders.items()
+        }
         return found
 
 
@@ -106,7 +108,9 @@ def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Ex
         return bad("not a delta key of this layout")
     learner, phase = parsed
     if owners.get(learner) != region:
-        return bad(f"learner {learner!r} does not belong to region {region!r} in this run", learner=learner, phase=phase)
+        return bad(
+            f"learner {learner!r} does not belong to region {region!r} in this run", learner=learner, phase=phase
+        )
     if size > state.max_delta_bytes():
         return bad(f"oversized: {size} bytes > {state.max_delta_bytes()}", learner=learner, phase=phase)
     path = state.spool_dir / f"{region}.{learner}.{phase:06d}.safetensors"
@@ -129,10 +133,19 @@ def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Ex
     if reason:
         return bad(reason, learner=learner, phase=phase, sha256=sha, tokens=_int(meta.get("tokens")))
     return Arrival(
-        key=key, learner=learner, region=region, phase=phase, base_round=int(meta["base_round"]),
-        tokens=int(meta["tokens"]), loss=float(meta["loss"]), bytes=got.bytes, sha256=sha,
-        seconds=float(meta.get("seconds", 0.0)), finished_at=float(meta.get("finished_at", time.time())),
-        norm=norm, delta=delta,
+        key=key,
+        learner=learner,
+        region=region,
+        phase=phase,
+        base_round=int(meta["base_round"]),
+        tokens=int(meta["tokens"]),
+        loss=float(meta["loss"]),
+        bytes=got.bytes,
+        sha256=sha,
+        seconds=float(meta.get("seconds", 0.0)),
+        finished_at=float(meta.get("finished_at", time.time())),
+        norm=norm,
+        delta=delta,
     )
 
 
@@ -181,17 +194,22 @@ def collect(state: RoundState) -> Collected:
     consumed = state.consumed_keys
     history = state.history()
     learners = [name for name, _, _ in cfg.learners()]
-    watches = {region: DeltaWatch(store, state.run, [name for name, r, _ in cfg.learners() if r == region])
-               for region, store in state.stores.regions.items()}
+    watches = {
+        region: DeltaWatch(store, state.run, [name for name, r, _ in cfg.learners() if r == region])
+        for region, store in state.stores.regions.items()
+    }
     seen: dict[str, Arrival | Excluded] = {}
 
     def look(last: bool = False) -> None:
         """Inspect what is new; on the last look, only keys outside the learners' folders (a
         learner's delta that lands now is left for the next round)."""
         listed_at = time.time()
-        new = [(region, key, size) for region, watch in watches.items()
-               for key, size in sorted(watch.look(everything=last).items())
-               if key not in consumed and key not in seen and not (last and watch.owned(key))]
+        new = [
+            (region, key, size)
+            for region, watch in watches.items()
+            for key, size in sorted(watch.look(everything=last).items())
+            if key not in consumed and key not in seen and not (last and watch.owned(key))
+        ]
         for (_, key, _), found in zip(new, inspect_all(state, new)):
             seen[key] = found
             if isinstance(found, Arrival):
@@ -225,6 +243,12 @@ def collect(state: RoundState) -> Collected:
     quarantined = [e for e in seen.values() if isinstance(e, Excluded)]
     log.info(
         "%s round %d: collected %d deltas from %d learners in %.1f s (%s); %d quarantined",
-        state.run, state.round, len(arrivals), len(fresh), waited, decision.reason, len(quarantined),
+        state.run,
+        state.round,
+        len(arrivals),
+        len(fresh),
+        waited,
+        decision.reason,
+        len(quarantined),
     )
     return Collected(sorted(arrivals, key=lambda a: (a.learner, a.phase)), quarantined, decision, waited)

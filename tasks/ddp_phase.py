@@ -19,8 +19,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from storage.corpus import STDLIB, read_corpus
-from tasks.core.data import BatchSampler, split_held_out
 from tasks.core.config import InnerSettings
+from tasks.core.data import BatchSampler, split_held_out
 from tasks.core.inner import InnerTrainer
 from tasks.core.model import build_model
 
@@ -48,8 +48,12 @@ def train_phase(args: argparse.Namespace, distributed: bool) -> None:
     base = load_file(args.base) if args.base else {k: v.clone() for k, v in model.state_dict().items()}
     result = trainer.run_phase(base, args.steps)
     if trainer.rank == 0:
-        meta = {"steps": str(result.steps), "tokens": str(result.tokens), "loss": f"{result.loss:.6f}",
-                "world_size": str(trainer.world_size)}
+        meta = {
+            "steps": str(result.steps),
+            "tokens": str(result.tokens),
+            "loss": f"{result.loss:.6f}",
+            "world_size": str(trainer.world_size),
+        }
         save_file(result.delta, args.out, metadata=meta)
     if distributed:
         dist.barrier()  # no rank tears the group down while rank 0 is still writing

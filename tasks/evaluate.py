@@ -16,11 +16,11 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.core.config import RunConfig
 from storage import layout
 from storage.manifest import Evaluation, Manifest
 from storage.rounds import get_tensors, read_evaluation
 from storage.store import ObjectStore
+from tasks.core.config import RunConfig
 from tasks.core.data import evaluate
 from tasks.core.model import PRESETS, skeleton
 from tasks.round_state import held_out_batches
@@ -32,7 +32,9 @@ def held_out_loss(config: RunConfig, params: dict[str, torch.Tensor]) -> float:
     preset = PRESETS[config.model]
     model = skeleton(preset)
     model.load_state_dict(params, assign=True)
-    return evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, preset.block_size, config.eval_batches))
+    return evaluate(
+        model, held_out_batches(config.corpus, config.inner.batch_size, preset.block_size, config.eval_batches)
+    )
 
 
 def commit_evaluation(store: ObjectStore, evaluation: Evaluation) -> float:
@@ -44,8 +46,9 @@ def commit_evaluation(store: ObjectStore, evaluation: Evaluation) -> float:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_round(config: RunConfig, store: ObjectStore, manifest: Manifest,
-                   params: dict[str, torch.Tensor] | None = None) -> float:
+def evaluate_round(
+    config: RunConfig, store: ObjectStore, manifest: Manifest, params: dict[str, torch.Tensor] | None = None
+) -> float:
     """Round `manifest.round`'s held-out loss: read when it is written, else computed from
     `params` (θ_r in memory) or the committed checkpoint, and written."""
     if manifest.eval_loss is not None:
@@ -55,16 +58,24 @@ def evaluate_round(config: RunConfig, store: ObjectStore, manifest: Manifest,
         return written.eval_loss
     t0 = time.perf_counter()
     loss = held_out_loss(config, params if params is not None else get_tensors(store, manifest.model))
-    loss = commit_evaluation(store, Evaluation(
-        run=manifest.run, round=manifest.round, model_sha256=manifest.model.sha256, eval_loss=loss,
-        batches=config.eval_batches, seconds=round(time.perf_counter() - t0, 3),
-    ))
+    loss = commit_evaluation(
+        store,
+        Evaluation(
+            run=manifest.run,
+            round=manifest.round,
+            model_sha256=manifest.model.sha256,
+            eval_loss=loss,
+            batches=config.eval_batches,
+            seconds=round(time.perf_counter() - t0, 3),
+        ),
+    )
     get_run_logger().info("%s round %d: eval loss %.4f", manifest.run, manifest.round, loss)
     return loss
 
 
-def round_loss(config: RunConfig, store: ObjectStore, manifest: Manifest,
-               params: dict[str, torch.Tensor] | None = None) -> float | None:
+def round_loss(
+    config: RunConfig, store: ObjectStore, manifest: Manifest, params: dict[str, torch.Tensor] | None = None
+) -> float | None:
     """The published round's held-out loss: evaluated (or read) when the run evaluates this
     round, else read if written; None when it is not evaluated."""
     if config.evaluates(manifest.round, manifest.tokens_applied):

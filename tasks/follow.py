@@ -18,8 +18,9 @@ Held = tuple[int, Any]  # (round, what `fetch` returned for it)
 
 
 class RoundFollower:
-    def __init__(self, newest_round: Callable[[int | None], int | None],
-                 fetch: Callable[[int, Held | None], Any], poll_s: float) -> None:
+    def __init__(
+        self, newest_round: Callable[[int | None], int | None], fetch: Callable[[int, Held | None], Any], poll_s: float
+    ) -> None:
         """`newest_round(held)`: the newest published round, given the round held now (None
         before the first); `fetch(round, held)`: that round's model, given the round and model
         held now (the fetch can then take the small way from it)."""
@@ -29,7 +30,7 @@ class RoundFollower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, run: str) -> "RoundFollower":
+    def start(self, run: str) -> RoundFollower:
         """Fetch the newest round now (errors surface here), then follow in the background."""
         if not self._refresh():
             raise RuntimeError(f"run {run} has no published round yet; start it with `islands run`")

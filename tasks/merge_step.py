@@ -21,8 +21,8 @@ from tasks.collect import Arrival, Collected
 from tasks.core.compress import RESIDUAL_PREFIX
 from tasks.core.config import MergeSettings
 from tasks.core.merge import Candidate, encode_update_tensor, merge_tensor_, plan_merge
-from tasks.round_state import RoundState
 from tasks.core.validate import norm_outliers
+from tasks.round_state import RoundState
 
 
 class RoundFailed(RuntimeError):
@@ -70,7 +70,9 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeSettings)
     with TensorFileWriter(update_parts) as update, TensorFileWriter(outer_parts) as outer:
         for name, param in state.model.items():
             parent = param.clone()
-            _, momentum[name] = merge_tensor_(param, momentum.get(name), (f.decoded(name) for f in files), weights, rule)
+            _, momentum[name] = merge_tensor_(
+                param, momentum.get(name), (f.decoded(name) for f in files), weights, rule
+            )
             for f in files:
                 f.release(name)  # read for the last time: the part files below reuse its pages
             wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, codec)
@@ -101,20 +103,43 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     arrivals = []
     for a in collected.arrivals:
         if a.key in outliers:
-            excluded.append(Excluded(kind="quarantined", key=a.key, reason=outliers[a.key], learner=a.learner,
-                                     region=a.region, phase=a.phase, tokens=a.tokens, sha256=a.sha256))
+            excluded.append(
+                Excluded(
+                    kind="quarantined",
+                    key=a.key,
+                    reason=outliers[a.key],
+                    learner=a.learner,
+                    region=a.region,
+                    phase=a.phase,
+                    tokens=a.tokens,
+                    sha256=a.sha256,
+                )
+            )
         else:
             arrivals.append(a)
     model, _, model_object, update, outer, weighted, dropped = apply_merge(state, arrivals, rule)
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
-        excluded.append(Excluded(kind="dropped", key=a.key, reason=d.reason, learner=a.learner, region=a.region,
-                                 phase=a.phase, tokens=a.tokens, sha256=a.sha256))
+        excluded.append(
+            Excluded(
+                kind="dropped",
+                key=a.key,
+                reason=d.reason,
+                learner=a.learner,
+                region=a.region,
+                phase=a.phase,
+                tokens=a.tokens,
+                sha256=a.sha256,
+            )
+        )
     if model is None:
-        why = (f"{len(excluded)} excluded" if excluded else
-               "nothing arrived; if the learners are running, quorum.round_timeout_s must be longer than "
-               "they take to start and train one phase")
+        why = (
+            f"{len(excluded)} excluded"
+            if excluded
+            else "nothing arrived; if the learners are running, quorum.round_timeout_s must be longer than "
+            "they take to start and train one phase"
+        )
         raise RoundFailed(
             f"{state.run} round {state.round}: no valid delta after {collected.waited_s:.0f} s "
             f"({why}); check the learners, then `islands resume {state.run}`"
@@ -122,11 +147,30 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     contributions = []
     for w in weighted:
         a = by_id[(w.candidate.learner, w.candidate.phase)]
-        contributions.append(Contribution(
-            learner=a.learner, region=a.region, phase=a.phase, base_round=a.base_round, staleness=w.staleness,
-            tokens=a.tokens, tokens_counted=w.tokens_counted, weight=w.weight, loss=a.loss, bytes=a.bytes,
-            key=a.key, sha256=a.sha256, finished_at=a.finished_at, seconds=a.seconds, seen_at=a.seen_at,
-        ))
-    log.info("%s round %d: merged %d deltas (%s)", state.run, state.round, len(contributions),
-             ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions))
+        contributions.append(
+            Contribution(
+                learner=a.learner,
+                region=a.region,
+                phase=a.phase,
+                base_round=a.base_round,
+                staleness=w.staleness,
+                tokens=a.tokens,
+                tokens_counted=w.tokens_counted,
+                weight=w.weight,
+                loss=a.loss,
+                bytes=a.bytes,
+                key=a.key,
+                sha256=a.sha256,
+                finished_at=a.finished_at,
+                seconds=a.seconds,
+                seen_at=a.seen_at,
+            )
+        )
+    log.info(
+        "%s round %d: merged %d deltas (%s)",
+        state.run,
+        state.round,
+        len(contributions),
+        ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions),
+    )
     return Merged(model, model_object, update, outer, contributions, excluded)

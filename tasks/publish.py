@@ -12,21 +12,21 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.core.config import RunConfig
 from storage import layout
 from storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
 from storage.rounds import checkpoint_metadata, put_encoded, put_tensors, put_update, read_manifest
 from storage.store import Stores, sha256_hex
 from tasks.collect import Collected
+from tasks.core.config import RunConfig
+from tasks.core.model import build_model, params_of
 from tasks.crash import crash_point
 from tasks.evaluate import held_out_loss
 from tasks.merge_step import Merged
-from tasks.core.model import build_model, params_of
 from tasks.round_state import RoundState
 
 
@@ -38,16 +38,25 @@ class Published:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def hyper(config: RunConfig) -> dict:
     m, q = config.merge, config.quorum
     return {
-        "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum, "staleness_lambda": m.staleness_lambda,
-        "max_staleness": m.max_staleness, "token_cap": m.token_cap, "inner_steps": config.inner_steps,
-        "min_quorum": q.min_quorum, "max_quorum": config.max_quorum, "grace_max_s": q.grace_max_s, "grace_fraction": q.grace_fraction,
-        "round_timeout_s": q.round_timeout_s, "model": config.model, "codec": config.codec,
+        "outer_lr": m.outer_lr,
+        "outer_momentum": m.outer_momentum,
+        "staleness_lambda": m.staleness_lambda,
+        "max_staleness": m.max_staleness,
+        "token_cap": m.token_cap,
+        "inner_steps": config.inner_steps,
+        "min_quorum": q.min_quorum,
+        "max_quorum": config.max_quorum,
+        "grace_max_s": q.grace_max_s,
+        "grace_fraction": q.grace_fraction,
+        "round_timeout_s": q.round_timeout_s,
+        "model": config.model,
+        "codec": config.codec,
     }
 
 
@@ -71,10 +80,23 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     loss = held_out_loss(config, params) if config.evaluates(0, 0) else None
     learners = [name for name, _, _ in config.learners()]
     manifest = Manifest(
-        run=run, round=0, parent_round=None, parent_sha256=None, created_at=_now(), model=ref, outer=None,
-        quorum=Quorum(min_quorum=config.quorum.min_quorum, max_quorum=config.max_quorum, received=0,
-                      learners=learners, waited_s=0.0, closed_by="initial"),
-        hyper=hyper(config), eval_loss=loss,
+        run=run,
+        round=0,
+        parent_round=None,
+        parent_sha256=None,
+        created_at=_now(),
+        model=ref,
+        outer=None,
+        quorum=Quorum(
+            min_quorum=config.quorum.min_quorum,
+            max_quorum=config.max_quorum,
+            received=0,
+            learners=learners,
+            waited_s=0.0,
+            closed_by="initial",
+        ),
+        hyper=hyper(config),
+        eval_loss=loss,
     )
     return commit(stores, manifest)
 
@@ -107,13 +129,23 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
     model_ref, update_ref, outer_ref = write_objects(state, merged)
     parent, parent_sha = state.parent
     manifest = Manifest(
-        run=run, round=r, parent_round=parent.round, parent_sha256=parent_sha, created_at=_now(),
-        model=model_ref, outer=outer_ref, update=update_ref, contributions=merged.contributions, excluded=merged.excluded,
+        run=run,
+        round=r,
+        parent_round=parent.round,
+        parent_sha256=parent_sha,
+        created_at=_now(),
+        model=model_ref,
+        outer=outer_ref,
+        update=update_ref,
+        contributions=merged.contributions,
+        excluded=merged.excluded,
         tokens_applied=parent.tokens_applied + sum(c.tokens for c in merged.contributions),
         quorum=Quorum(
-            min_quorum=state.config.quorum.min_quorum, max_quorum=state.config.max_quorum,
+            min_quorum=state.config.quorum.min_quorum,
+            max_quorum=state.config.max_quorum,
             received=len({c.learner for c in merged.contributions}),
-            learners=sorted({c.learner for c in merged.contributions}), waited_s=round(collected.waited_s, 3),
+            learners=sorted({c.learner for c in merged.contributions}),
+            waited_s=round(collected.waited_s, 3),
             closed_by=collected.decision.reason or "timeout",
         ),
         hyper=hyper(state.config),

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from tasks.core.config import RunConfig
 from storage.corpus import read_corpus
 from storage.manifest import Contribution, Manifest
 from storage.rounds import get_tensors, read_chain
 from storage.spool import SpoolFolder, remove_dead
 from storage.store import Stores
 from tasks.core.compress import split_residual
+from tasks.core.config import RunConfig
 from tasks.core.data import eval_batches, split_held_out
 from tasks.core.quorum import LearnerHistory
 
@@ -47,7 +47,7 @@ class RoundState:
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # what the update codec dropped so far
 
     @classmethod
-    def load(cls, config: RunConfig, run: str, stores: Stores) -> "RoundState":
+    def load(cls, config: RunConfig, run: str, stores: Stores) -> RoundState:
         key = (stores.global_.url, run)
         chain = _CHAINS[key] = read_chain(stores.global_, run, _CHAINS.get(key))
         if not chain:
@@ -99,7 +99,9 @@ class RoundState:
             lag = seen_lag(recent)
             out[learner] = LearnerHistory(
                 phase_seconds=[c.seconds for c in recent],
-                last_arrival=recent[-1].finished_at + lag if recent else None, cycle_s=cycle(recent), lag_s=lag,
+                last_arrival=recent[-1].finished_at + lag if recent else None,
+                cycle_s=cycle(recent),
+                lag_s=lag,
             )
         return out
 
@@ -112,7 +114,9 @@ def cycle(recent: list[Contribution]) -> float | None:
     """A learner's time from one delta to the next, from its finish times (its own clock, so
     how late the synchronizer happened to look does not enter): the median per phase, so a
     skipped phase does not count double; None under two deltas."""
-    per_phase = [(b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(recent, recent[1:]) if b.phase > a.phase]
+    per_phase = [
+        (b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(recent, recent[1:]) if b.phase > a.phase
+    ]
     return statistics.median(per_phase) if per_phase else None
 
 

@@ -28,7 +28,6 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.core.config import RunConfig
 from storage import layout
 from storage.cache import regional_get
 from storage.codec import decode, decode_state, encode_state, encode_wire
@@ -37,14 +36,15 @@ from storage.lease import Watch
 from storage.manifest import Manifest, ObjectRef
 from storage.rounds import checkpoint_metadata, newest_round_from, read_manifest, stop_requested
 from storage.store import ObjectStore, Stores, sha256_hex
-from tasks.crash import crash_point
 from tasks.core.compress import compress_with_feedback, residual_state, split_residual
+from tasks.core.config import RunConfig
 from tasks.core.data import BatchSampler, shard, split_held_out
-from tasks.follow import Held, RoundFollower
 from tasks.core.inner import InnerTrainer, carried
 from tasks.core.merge import apply_update
 from tasks.core.model import build_model, params_of
 from tasks.core.pace import phase_steps
+from tasks.crash import crash_point
+from tasks.follow import Held, RoundFollower
 from tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
@@ -93,7 +93,7 @@ class LearnerSession:
         return self.stores.region(self.region)
 
     @classmethod
-    def open(cls, config: RunConfig, run: str, learner: str, stores: Stores) -> "LearnerSession":
+    def open(cls, config: RunConfig, run: str, learner: str, stores: Stores) -> LearnerSession:
         """Build the learner from the run's config and restore its newest saved state, if any."""
         index = {name: i for name, _, i in config.learners()}
         if learner not in index:
@@ -104,7 +104,9 @@ class LearnerSession:
         model = build_model(config.model, config.seed).to(device)
         train, _ = split_held_out(read_corpus(config.corpus))
         data = shard(train, index[learner], config.num_learners, block_size=model.config.block_size)
-        sampler = BatchSampler(data, config.inner.batch_size, model.config.block_size, seed=config.seed * 1000 + index[learner])
+        sampler = BatchSampler(
+            data, config.inner.batch_size, model.config.block_size, seed=config.seed * 1000 + index[learner]
+        )
         trainer = InnerTrainer(model, sampler, config.inner, device=device)
         session = cls(config, run, learner, region, stores, trainer, device=device)
         session.restore()
@@ -113,7 +115,11 @@ class LearnerSession:
     def restore(self) -> None:
         """Continue after the newest phase this learner finished (its state and delta are in S3)."""
         store = self.regional_store
-        states = {p: k for k in store.list(layout.learner_state_prefix(self.run, self.learner)) if (p := layout.parse_state_key(k)) is not None}
+        states = {
+            p: k
+            for k in store.list(layout.learner_state_prefix(self.run, self.learner))
+            if (p := layout.parse_state_key(k)) is not None
+        }
         deltas = [
             parsed[1]
             for k in store.list(layout.learner_deltas_prefix(self.run, self.learner))
@@ -153,8 +159,11 @@ class LearnerSession:
         updates = [m.update for m in manifests]
         if behind and all(updates) and sum(u.bytes for u in updates) < manifests[-1].model.bytes:
             params = self.rebuilt(manifests, held[1].params)
-            way = (("update" if len(updates) == 1 else f"{len(updates)} updates") if params is not None
-                   else "checkpoint: the updates did not rebuild the published model")
+            way = (
+                ("update" if len(updates) == 1 else f"{len(updates)} updates")
+                if params is not None
+                else "checkpoint: the updates did not rebuild the published model"
+            )
         if params is None:
             params = decode_state(self.fetch(manifests[-1].model))
         return HeldRound(params, frozenset(consumed), manifests[-1].tokens_applied, rates), way
@@ -181,7 +190,9 @@ class LearnerSession:
 
     def follow(self, poll_s: float) -> RoundFollower:
         """Start following the published rounds (raises when the run has none)."""
-        self.rounds = RoundFollower(lambda held: newest_round_from(self.global_store, self.run, held), self.fetch_round, poll_s)
+        self.rounds = RoundFollower(
+            lambda held: newest_round_from(self.global_store, self.run, held), self.fetch_round, poll_s
+        )
         return self.rounds.start(self.run)
 
     def fetch_round(self, round_: int, held: Held | None) -> HeldRound:
@@ -236,8 +247,11 @@ class LearnerSession:
     def io_totals(self) -> dict[str, int]:
         """Bytes this process moved so far; global reads alone are what crossed regions downwards."""
         g, r = self.global_store.io, self.regional_store.io
-        return {"io_read": g.bytes_read + r.bytes_read, "io_read_global": g.bytes_read,
-                "io_written": g.bytes_written + r.bytes_written}
+        return {
+            "io_read": g.bytes_read + r.bytes_read,
+            "io_read_global": g.bytes_read,
+            "io_written": g.bytes_written + r.bytes_written,
+        }
 
 
 @task(name="train-phase", cache_policy=NO_CACHE, task_run_name="{session.learner}/phase-{phase}")
@@ -253,22 +267,35 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
     steps = phase_steps(cfg.inner_steps, session.rate, list(held[1].rates.values())) if cfg.paced else cfg.inner_steps
     result = session.trainer.run_phase(
-        session.reference(held), steps, slowdown=cfg.slowdown(session.region),
-        min_step_s=cfg.min_step_s.get(session.region, 0.0), should_stop=session.must_stop,
+        session.reference(held),
+        steps,
+        slowdown=cfg.slowdown(session.region),
+        min_step_s=cfg.min_step_s.get(session.region, 0.0),
+        should_stop=session.must_stop,
         rebase=session.rebase_offer(moves),
     )
     base_round = session.last_base = moves[-1]
     if result.seconds > 0:
         session.rate = result.tokens / result.seconds
     if result.steps == 0:
-        log.info("%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase)
+        log.info(
+            "%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase
+        )
         return {"phase": phase, "steps": 0}
     store = session.regional_store
     meta = {
-        "run": session.run, "learner": session.learner, "region": session.region, "phase": phase,
-        "base_round": base_round, "start_round": start_round,
-        "rebases": ",".join(f"{step}:{r}" for step, r in zip(result.rebased_at, moves[1:])), "inner_steps": result.steps, "tokens": result.tokens, "loss": f"{result.loss:.6f}",
-        "seconds": f"{result.seconds:.3f}", "finished_at": f"{time.time():.3f}",
+        "run": session.run,
+        "learner": session.learner,
+        "region": session.region,
+        "phase": phase,
+        "base_round": base_round,
+        "start_round": start_round,
+        "rebases": ",".join(f"{step}:{r}" for step, r in zip(result.rebased_at, moves[1:])),
+        "inner_steps": result.steps,
+        "tokens": result.tokens,
+        "loss": f"{result.loss:.6f}",
+        "seconds": f"{result.seconds:.3f}",
+        "finished_at": f"{time.time():.3f}",
         **session.io_totals(),
     }
     # Error feedback: what the codec drops now rides along with the next delta.
@@ -276,7 +303,8 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     delta = encode_wire(wire, meta, cfg.codec)
     # Encoded now, before the next phase moves the optimizer on; uploaded while it trains.
     state = encode_state(
-        {**session.trainer.state_dict(), **residual_state(residual)}, {"phase": str(phase), "base_round": str(base_round)}
+        {**session.trainer.state_dict(), **residual_state(residual)},
+        {"phase": str(phase), "base_round": str(base_round)},
     )
 
     def upload() -> None:
@@ -299,15 +327,34 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         if len(session.unmerged) > CARRY_LIMIT:  # no round for many phases: bound the memory, not the run
             oldest = min(session.unmerged)
             del session.unmerged[oldest]
-            log.warning("%s learner %s: %d phases without a round that merged them; phase %d no longer carried",
-                        session.run, session.learner, CARRY_LIMIT + 1, oldest)
+            log.warning(
+                "%s learner %s: %d phases without a round that merged them; phase %d no longer carried",
+                session.run,
+                session.learner,
+                CARRY_LIMIT + 1,
+                oldest,
+            )
     session.residual = residual
     session.next_phase = phase + 1
     log.info(
         "%s learner %s (%s) phase %d on round %d%s: %d steps%s, loss %.3f, %d tokens, %.1f s, delta %.2f MB",
-        session.run, session.learner, session.region, phase, base_round,
-        f" (from round {start_round})" if start_round != base_round else "", result.steps,
-        f" (paced: H is {cfg.inner_steps})" if steps < cfg.inner_steps else "", result.loss, result.tokens,
-        result.seconds, len(delta) / 1e6,
+        session.run,
+        session.learner,
+        session.region,
+        phase,
+        base_round,
+        f" (from round {start_round})" if start_round != base_round else "",
+        result.steps,
+        f" (paced: H is {cfg.inner_steps})" if steps < cfg.inner_steps else "",
+        result.loss,
+        result.tokens,
+        result.seconds,
+        len(delta) / 1e6,
     )
-    return {"phase": phase, "steps": result.steps, "tokens": result.tokens, "loss": result.loss, "seconds": result.seconds}
+    return {
+        "phase": phase,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "loss": result.loss,
+        "seconds": result.seconds,
+    }

@@ -15,8 +15,15 @@ from websockets.sync.client import connect
 from infra.process import free_port
 
 FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1300",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1300",
 ]
 
 
@@ -24,9 +31,17 @@ class Browser:
     def __init__(self, chromium: Path, profile: Path):
         port = free_port()
         self.proc = subprocess.Popen(
-            [str(chromium), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-address=127.0.0.1",
-             f"--remote-debugging-port={port}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                str(chromium),
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                "--remote-debugging-address=127.0.0.1",
+                f"--remote-debugging-port={port}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 30
         while True:

@@ -40,8 +40,13 @@ def s3_bucket(s3_endpoint):
     import s3fs
 
     name = f"test-{uuid.uuid4().hex[:16]}"
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=name)
+    boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket=name)
     s3fs.S3FileSystem.clear_instance_cache()
     yield name
 

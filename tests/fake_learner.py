@@ -7,23 +7,31 @@ import time
 
 import torch
 
-from tasks.core.config import RunConfig
 from storage import layout
 from storage.codec import encode
 from storage.rounds import get_tensors, read_manifest
 from storage.store import Stores
+from tasks.core.config import RunConfig
 
 TEMPLATE = "s3://islands-{bucket}"
 TOKENS = 5 * 16 * 128  # H × batch × block of the tiny model
 
 
-def new_run(run_id: str, learners_per_region: int = 1, update_codec: str = "bf16", **quorum) -> tuple[RunConfig, Stores]:
+def new_run(
+    run_id: str, learners_per_region: int = 1, update_codec: str = "bf16", **quorum
+) -> tuple[RunConfig, Stores]:
     """A run on the session stack's buckets with round 0 published and no learner running."""
     from flows.training_run import create_run
 
     config = RunConfig(
-        run_id=run_id, regions=["north", "south"], learners_per_region=learners_per_region, rounds=2,
-        inner_steps=5, speed={}, eval_batches=2, update_codec=update_codec,
+        run_id=run_id,
+        regions=["north", "south"],
+        learners_per_region=learners_per_region,
+        rounds=2,
+        inner_steps=5,
+        speed={},
+        eval_batches=2,
+        update_codec=update_codec,
         quorum={"min_quorum": 1, "grace_max_s": 0.0, **quorum},
     )
     stores = Stores(TEMPLATE, config.regions)
@@ -44,9 +52,16 @@ def pseudo_gradient(stores: Stores, run: str, seed: int, scale: float = 1e-3) ->
 
 def metadata(config: RunConfig, learner: str, phase: int, base_round: int, tokens: int = TOKENS) -> dict[str, str]:
     return {
-        "run": config.run_id, "learner": learner, "region": region_of(config, learner), "phase": str(phase),
-        "base_round": str(base_round), "inner_steps": "5", "tokens": str(tokens), "loss": "3.5",
-        "seconds": "1.0", "finished_at": f"{time.time():.3f}",
+        "run": config.run_id,
+        "learner": learner,
+        "region": region_of(config, learner),
+        "phase": str(phase),
+        "base_round": str(base_round),
+        "inner_steps": "5",
+        "tokens": str(tokens),
+        "loss": "3.5",
+        "seconds": "1.0",
+        "finished_at": f"{time.time():.3f}",
     }
 
 

@@ -30,7 +30,9 @@ class Api:
         data = json.dumps(body).encode() if body is not None else None
         deadline = time.monotonic() + 60
         while True:
-            req = urllib.request.Request(self.url + path, data=data, method=method, headers={"content-type": "application/json"})
+            req = urllib.request.Request(
+                self.url + path, data=data, method=method, headers={"content-type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(req, timeout=30) as resp:
                     text = resp.read()
@@ -76,8 +78,10 @@ def served_stack(home: Path, buckets: list[str], serve_args: list[str], serve_en
         log = home / "logs" / "serve.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "serve", *serve_args], env={**env, **(serve_env or {})},
-                stdout=out, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "flows.cli", "serve", *serve_args],
+                env={**env, **(serve_env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         try:
@@ -87,4 +91,6 @@ def served_stack(home: Path, buckets: list[str], serve_args: list[str], serve_en
 
 
 def islands(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )

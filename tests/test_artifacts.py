@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from flows import cli, status
 from flows.artifacts import browser_url, loss_curves, report_markdown, round_table
 from flows.plot import data_uri, line_chart
-from flows import cli, status
 from flows.status import NoSuchRun, liveness
 from storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
 from storage.store import Stores
@@ -20,29 +20,66 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 def contribution(learner: str, phase: int, tokens: int, loss: float, staleness: int = 0) -> Contribution:
     return Contribution(
-        learner=learner, region=learner.rsplit("-", 1)[0], phase=phase, base_round=0, staleness=staleness, tokens=tokens,
-        tokens_counted=tokens, weight=tokens / (1 + staleness), loss=loss, bytes=1000, key=f"k/{learner}/{phase}",
-        sha256="ef" * 32, finished_at=1.75e9, seconds=3.0,
+        learner=learner,
+        region=learner.rsplit("-", 1)[0],
+        phase=phase,
+        base_round=0,
+        staleness=staleness,
+        tokens=tokens,
+        tokens_counted=tokens,
+        weight=tokens / (1 + staleness),
+        loss=loss,
+        bytes=1000,
+        key=f"k/{learner}/{phase}",
+        sha256="ef" * 32,
+        finished_at=1.75e9,
+        seconds=3.0,
     )
 
 
 def manifest(round_: int, eval_loss: float, contributions=(), excluded=()) -> Manifest:
     return Manifest(
-        run="run-abc", round=round_, parent_round=round_ - 1 if round_ else None, parent_sha256=None,
-        created_at="2026-01-01T00:00:00+00:00", model=ObjectRef(key="m", sha256="cd" * 32, bytes=10), outer=None,
-        contributions=list(contributions), excluded=list(excluded),
-        quorum=Quorum(min_quorum=1, max_quorum=2, received=len(contributions), learners=[], waited_s=1.5,
-                      closed_by="quorum+grace" if round_ else "initial"),
-        hyper={}, eval_loss=eval_loss,
+        run="run-abc",
+        round=round_,
+        parent_round=round_ - 1 if round_ else None,
+        parent_sha256=None,
+        created_at="2026-01-01T00:00:00+00:00",
+        model=ObjectRef(key="m", sha256="cd" * 32, bytes=10),
+        outer=None,
+        contributions=list(contributions),
+        excluded=list(excluded),
+        quorum=Quorum(
+            min_quorum=1,
+            max_quorum=2,
+            received=len(contributions),
+            learners=[],
+            waited_s=1.5,
+            closed_by="quorum+grace" if round_ else "initial",
+        ),
+        hyper={},
+        eval_loss=eval_loss,
     )
 
 
 CHAIN = [
     manifest(0, 5.5),
     manifest(1, 4.0, [contribution("east-0", 0, 1000, 5.0), contribution("west-0", 0, 1000, 5.1)]),
-    manifest(2, 3.5, [contribution("east-0", 1, 1000, 4.2)],
-             [Excluded(kind="quarantined", key="k/west-0/1", reason="non-finite values", learner="west-0", region="west",
-                       phase=1, tokens=1000)]),
+    manifest(
+        2,
+        3.5,
+        [contribution("east-0", 1, 1000, 4.2)],
+        [
+            Excluded(
+                kind="quarantined",
+                key="k/west-0/1",
+                reason="non-finite values",
+                learner="west-0",
+                region="west",
+                phase=1,
+                tokens=1000,
+            )
+        ],
+    ),
 ]
 
 
@@ -50,8 +87,16 @@ def test_round_table_lists_merged_and_quarantined_deltas_with_reasons():
     rows = round_table(CHAIN[2])
     assert [r["status"] for r in rows] == ["merged", "quarantined: non-finite values"]
     assert rows[0] | {"weight": None} == {
-        "learner": "east-0", "region": "east", "phase": 1, "base round": 0, "staleness": 0, "tokens": 1000,
-        "weight": None, "loss": 4.2, "bytes": 1000, "status": "merged",
+        "learner": "east-0",
+        "region": "east",
+        "phase": 1,
+        "base round": 0,
+        "staleness": 0,
+        "tokens": 1000,
+        "weight": None,
+        "loss": 4.2,
+        "bytes": 1000,
+        "status": "merged",
     }
     assert rows[1]["learner"] == "west-0" and rows[1]["weight"] == 0
 
@@ -97,13 +142,26 @@ def test_line_chart_refuses_nothing_to_draw():
 
 def test_report_has_the_chart_quorum_decisions_bytes_and_where_things_are():
     summary = {
-        "run_id": "run-abc", "eval_loss_round0": 5.5, "eval_loss_final": 3.5, "rounds_published": 2, "wall_s": 42.0,
+        "run_id": "run-abc",
+        "eval_loss_round0": 5.5,
+        "eval_loss_final": 3.5,
+        "rounds_published": 2,
+        "wall_s": 42.0,
         "ended": "round 2 reached the target eval loss 3.5 (3.5000)",
         "checkpoints": "s3://islands-global/runs/run-abc/rounds/",
         "bytes": {"east": {"written": 2_000_000, "read": 1_000_000}, "synchronizer": {"written": 5, "read": 7}},
     }
-    rows = [{"round": m.round, "closed_by": m.quorum.closed_by, "learners": "x", "waited_s": 1.5, "eval_loss": m.eval_loss,
-             "excluded": [f"{e.key}: {e.reason}" for e in m.excluded]} for m in CHAIN[1:]]
+    rows = [
+        {
+            "round": m.round,
+            "closed_by": m.quorum.closed_by,
+            "learners": "x",
+            "waited_s": 1.5,
+            "eval_loss": m.eval_loss,
+            "excluded": [f"{e.key}: {e.reason}" for e in m.excluded],
+        }
+        for m in CHAIN[1:]
+    ]
     md = report_markdown(summary, rows, CHAIN, Stores("memory://islands-{bucket}", ["east", "west"]))
     assert "![loss curve of run-abc](data:image/svg+xml;base64," in md
     assert "at round 2, in 42 s. Ended: round 2 reached the target eval loss 3.5 (3.5000)." in md

@@ -32,8 +32,24 @@ TEMPLATE = "s3://islands-{bucket}"
 def s3(on_stack, tmp_path_factory):
     config = tmp_path_factory.mktemp("audit-run") / "run.toml"
     config.write_text("eval_batches = 2\n")
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-id", RUN, "--regions", "north,south",
-           "--rounds", "3", "--inner-steps", "5", "--min-quorum", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--config",
+        str(config),
+        "--run-id",
+        RUN,
+        "--regions",
+        "north,south",
+        "--rounds",
+        "3",
+        "--inner-steps",
+        "5",
+        "--min-quorum",
+        "2",
+    ]
     proc = subprocess.run(cmd, env={**os.environ, **on_stack}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return client(on_stack["AWS_ENDPOINT_URL"])
@@ -76,8 +92,13 @@ def audit(capsys, *flags: str) -> tuple[int, str]:
 
 def test_a_clean_run_passes_with_replay_and_balanced_books(s3, on_stack):
     """The real command, on the embedded stack it finds through ISLANDS_HOME."""
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "audit", RUN, "--replay", "--json"],
-                          env={**os.environ, **on_stack}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "audit", RUN, "--replay", "--json"],
+        env={**os.environ, **on_stack},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["ok"] and report["problems"] == []
@@ -111,16 +132,30 @@ def _e(r: int) -> str:
 
 def _skip_round_2(s3) -> bytes:
     """Round 3's manifest re-pointed at round 1, as if round 2 had never been."""
-    m = manifest(s3, 3).model_copy(update={"parent_round": 1, "parent_sha256": hashlib.sha256(read(s3, _m(1))).hexdigest()})
+    m = manifest(s3, 3).model_copy(
+        update={"parent_round": 1, "parent_sha256": hashlib.sha256(read(s3, _m(1))).hexdigest()}
+    )
     return m.to_bytes()
 
 
 # (name, objects to overwrite or delete, [(round, key) the audit must name])
 CASES = {
-    "a changed byte in a checkpoint": lambda s3: ({(GLOBAL, _model(s3, 2)): flip(read(s3, _model(s3, 2)))}, [(2, _model(s3, 2))]),
-    "a changed byte in a delta": lambda s3: ({_delta(s3, 2): flip(read(s3, _delta(s3, 2)[1], _delta(s3, 2)[0]))}, [(2, _delta(s3, 2)[1])]),
-    "a changed byte in an outer state": lambda s3: ({(GLOBAL, _outer(s3, 1)): flip(read(s3, _outer(s3, 1)))}, [(1, _outer(s3, 1))]),
-    "a changed byte in a manifest": lambda s3: ({(GLOBAL, _m(1)): flip(read(s3, _m(1)), at=len(read(s3, _m(1))) // 2)}, [(1, _m(1))]),
+    "a changed byte in a checkpoint": lambda s3: (
+        {(GLOBAL, _model(s3, 2)): flip(read(s3, _model(s3, 2)))},
+        [(2, _model(s3, 2))],
+    ),
+    "a changed byte in a delta": lambda s3: (
+        {_delta(s3, 2): flip(read(s3, _delta(s3, 2)[1], _delta(s3, 2)[0]))},
+        [(2, _delta(s3, 2)[1])],
+    ),
+    "a changed byte in an outer state": lambda s3: (
+        {(GLOBAL, _outer(s3, 1)): flip(read(s3, _outer(s3, 1)))},
+        [(1, _outer(s3, 1))],
+    ),
+    "a changed byte in a manifest": lambda s3: (
+        {(GLOBAL, _m(1)): flip(read(s3, _m(1)), at=len(read(s3, _m(1))) // 2)},
+        [(1, _m(1))],
+    ),
     "a deleted object": lambda s3: ({(GLOBAL, _outer(s3, 3)): None}, [(3, _outer(s3, 3))]),
     "a deleted manifest": lambda s3: ({(GLOBAL, _m(2)): None}, [(2, _m(2))]),
     "two rounds' models swapped": lambda s3: (
@@ -128,11 +163,13 @@ CASES = {
         [(1, _model(s3, 1)), (2, _model(s3, 2))],
     ),
     "two rounds' manifests swapped": lambda s3: (
-        {(GLOBAL, _m(1)): read(s3, _m(2)), (GLOBAL, _m(2)): read(s3, _m(1))}, [(1, _m(1)), (2, _m(2))],
+        {(GLOBAL, _m(1)): read(s3, _m(2)), (GLOBAL, _m(2)): read(s3, _m(1))},
+        [(1, _m(1)), (2, _m(2))],
     ),
     "a manifest that skips a round": lambda s3: ({(GLOBAL, _m(3)): _skip_round_2(s3)}, [(3, _m(3))]),
     "two rounds' evaluations swapped": lambda s3: (
-        {(GLOBAL, _e(1)): read(s3, _e(2)), (GLOBAL, _e(2)): read(s3, _e(1))}, [(1, _e(1)), (2, _e(2))],
+        {(GLOBAL, _e(1)): read(s3, _e(2)), (GLOBAL, _e(2)): read(s3, _e(1))},
+        [(1, _e(1)), (2, _e(2))],
     ),
 }
 
@@ -150,9 +187,14 @@ def test_tampering_is_named_by_round_and_object(s3, capsys, case):
 def test_a_rewritten_newest_manifest_passes_the_chain_but_not_the_replay(s3, capsys):
     """The newest manifest has no successor to vouch for it; recomputing its merge does."""
     head = manifest(s3, 3)
-    forged = head.model_copy(update={"contributions": [
-        c.model_copy(update={"weight": c.weight * (2 if i == 0 else 1)}) for i, c in enumerate(head.contributions)
-    ]})
+    forged = head.model_copy(
+        update={
+            "contributions": [
+                c.model_copy(update={"weight": c.weight * (2 if i == 0 else 1)})
+                for i, c in enumerate(head.contributions)
+            ]
+        }
+    )
     with tampered(s3, {(GLOBAL, _m(3)): forged.to_bytes()}):
         assert audit(capsys)[0] == 0
         code, out = audit(capsys, "--replay")

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from fake_learner import TOKENS, delta_bytes, metadata, new_run, pseudo_gradient, put
+
+from flows.audit import audit_run
 from flows.outer_round import outer_round
 from storage import layout
 from storage.codec import MAX_HEADER_BYTES, encode, encode_wire
 from storage.rounds import read_manifest
-from flows.audit import audit_run
 from tasks.core.compress import to_wire
 
 RUN = "bad-deltas"
@@ -78,20 +78,54 @@ def run(on_stack):
 
         for i, learner in enumerate(HONEST):
             tokens = TOKENS * 1000 if learner == "south-1" else TOKENS  # south-1 lies about its tokens
-            data = honest if i == 0 else encode(pseudo_gradient(stores, RUN, seed=i), metadata(config, learner, 0, 0, tokens))
+            data = (
+                honest
+                if i == 0
+                else encode(pseudo_gradient(stores, RUN, seed=i), metadata(config, learner, 0, 0, tokens))
+            )
             put(config, stores, learner, 0, data)
         expected = {
             put(config, stores, "north-0", 1, honest[: len(honest) // 2]): "does not fit the object",
             put(config, stores, "north-0", 2, _flip_header(bad("north-0", 2))): "header is not JSON",
             put(config, stores, "north-1", 7, _flip_tensor_bytes(bad("north-1", 7))): "do not match the body_sha256",
-            put(config, stores, "north-0", 3, struct.pack("<Q", 10**6) + bad("north-0", 3)[8:100]): "larger than the object",
-            put(config, stores, "north-0", 4, struct.pack("<Q", MAX_HEADER_BYTES + 1) + bad("north-0", 4)[8:]): "oversized header",
-            put(config, stores, "south-0", 1, bad("south-0", 1, {("not.a.param" if k == name else k): v for k, v in g.items()})): "wrong tensor names",
+            put(
+                config, stores, "north-0", 3, struct.pack("<Q", 10**6) + bad("north-0", 3)[8:100]
+            ): "larger than the object",
+            put(
+                config, stores, "north-0", 4, struct.pack("<Q", MAX_HEADER_BYTES + 1) + bad("north-0", 4)[8:]
+            ): "oversized header",
+            put(
+                config,
+                stores,
+                "south-0",
+                1,
+                bad("south-0", 1, {("not.a.param" if k == name else k): v for k, v in g.items()}),
+            ): "wrong tensor names",
             put(config, stores, "south-0", 2, bad("south-0", 2, _with(g, **{name: torch.zeros(3, 3)}))): "wrong shape",
-            put(config, stores, "south-0", 3, bad("south-0", 3, _with(g, **{name: torch.ones(g[name].shape, dtype=torch.int32)}))): "wrong dtype",
-            put(config, stores, "south-0", 4, bad("south-0", 4, _with(g, **{name: torch.full(g[name].shape, float("nan"))}))): "non-finite",
-            put(config, stores, "north-1", 1, bad("north-1", 1, _with(g, **{name: torch.full(g[name].shape, float("inf"))}))): "non-finite",
-            put(config, stores, "north-1", 2, bad("north-1", 2, {k: v * 1e4 for k, v in g.items()})): "far outside the others",
+            put(
+                config,
+                stores,
+                "south-0",
+                3,
+                bad("south-0", 3, _with(g, **{name: torch.ones(g[name].shape, dtype=torch.int32)})),
+            ): "wrong dtype",
+            put(
+                config,
+                stores,
+                "south-0",
+                4,
+                bad("south-0", 4, _with(g, **{name: torch.full(g[name].shape, float("nan"))})),
+            ): "non-finite",
+            put(
+                config,
+                stores,
+                "north-1",
+                1,
+                bad("north-1", 1, _with(g, **{name: torch.full(g[name].shape, float("inf"))})),
+            ): "non-finite",
+            put(
+                config, stores, "north-1", 2, bad("north-1", 2, {k: v * 1e4 for k, v in g.items()})
+            ): "far outside the others",
             put(config, stores, "north-1", 3, bad("north-1", 3, run="someone-else")): "wrong run id",
             put(config, stores, "north-1", 4, bad("north-1", 4, base_round=7)): "from the future",
             put(config, stores, "south-1", 1, bad("south-1", 1, tokens=None)): "metadata missing: tokens",
@@ -100,8 +134,10 @@ def run(on_stack):
             put(config, stores, "south-1", 4, bad_int4("south-1", 4, _int4_bomb(g, name, [2**31]))): "wrong shape",
         }
         north = stores.region("north")
-        for key, reason in ((layout.delta_key(RUN, "south-0", 9), "does not belong to region 'north'"),
-                            (layout.deltas_prefix(RUN) + "stray.bin", "not a delta key")):
+        for key, reason in (
+            (layout.delta_key(RUN, "south-0", 9), "does not belong to region 'north'"),
+            (layout.deltas_prefix(RUN) + "stray.bin", "not a delta key"),
+        ):
             assert north.put_if_absent(key, honest)
             expected[key] = reason
         south = stores.region("south")
@@ -116,8 +152,15 @@ def run(on_stack):
         outer_round(run_id=RUN, round=2, store=stores.template)
         second, _ = read_manifest(stores.global_, RUN, 2)
         report = audit_run(stores, RUN, replay=True)
-    return SimpleNamespace(stores=stores, expected=expected, first=first, expected_2=expected_2, second=second,
-                           report=report, south_read=south_read)
+    return SimpleNamespace(
+        stores=stores,
+        expected=expected,
+        first=first,
+        expected_2=expected_2,
+        second=second,
+        report=report,
+        south_read=south_read,
+    )
 
 
 def test_each_bad_delta_is_quarantined_with_its_reason(run):

@@ -14,7 +14,12 @@ from tasks.core.model import build_model
 
 
 def test_table_rows_say_yes_or_no_against_their_bar():
-    rows = [at_least("a", 16.0, 15), at_most("b", 1.05, 1.04, "why"), within("c", 1.2, 1.33, 0.15), at_least("d", None, 1, "not run")]
+    rows = [
+        at_least("a", 16.0, 15),
+        at_most("b", 1.05, 1.04, "why"),
+        within("c", 1.2, 1.33, 0.15),
+        at_least("d", None, 1, "not run"),
+    ]
     text = table([Result("x", rows=rows)])
     lines = text.splitlines()
     assert lines[0] == "| benchmark | our figure | the bar | holds |"
@@ -23,12 +28,16 @@ def test_table_rows_say_yes_or_no_against_their_bar():
 
 
 def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     start = lines.index("| benchmark | our figure | the bar | holds |")
-    rows = [line for line in lines[start + 2:] if line.startswith("|")]
+    rows = [line for line in lines[start + 2 :] if line.startswith("|")]
     assert len(rows) == 5  # throughput and memory at K=2 and K=4, the suite's own time
     assert rows[-1].startswith("| time: --quick suite, minutes |")
     for row in rows:
@@ -43,8 +52,12 @@ def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
 def test_a_live_runs_schedule_replayed_with_its_own_codecs_rebuilds_its_model_bit_for_bit(tmp_path):
     """codec_live replays each of two pipeline runs from its objects alone (benchmarks.retrace):
     with the run's own codecs, the replay must land on the published model exactly."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "codec_live", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "codec_live", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('"rebuilds the published model bit for bit": true') == 2, proc.stdout[-3000:]
     assert proc.stdout.count("| codec on a live schedule, H=") == 2
@@ -102,8 +115,19 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
     monkeypatch.setattr(suite.pipeline, "new_stack", lambda: calls.append("new stack"))
     monkeypatch.setattr(suite, "BENCHMARKS", {name: part(name) for name in suite.SUITE})
     assert suite.main(["--out", str(tmp_path)]) == 0
-    assert calls == ["new stack", "quality", "new stack", "wire", "new stack", "quality_robust", "new stack", "faults",
-                     "utilization", "new stack", "dataplane"]
+    assert calls == [
+        "new stack",
+        "quality",
+        "new stack",
+        "wire",
+        "new stack",
+        "quality_robust",
+        "new stack",
+        "faults",
+        "utilization",
+        "new stack",
+        "dataplane",
+    ]
     calls.clear()
     assert suite.main(["--quick", "--out", str(tmp_path)]) == 0
     assert calls == list(suite.SUITE)
@@ -115,12 +139,18 @@ def test_s3_endpoint_compares_cpu_per_request_of_both_servers():
     res = s3_endpoint.run(quick=True)
     (row,) = res.rows
     assert row.benchmark.startswith("S3 endpoint: CPU per request") and row.ours > 0
-    assert all(ms > 0 for ms in res.raw["moto_server_cpu_ms_per_request"] + res.raw["s3_served_directly_cpu_ms_per_request"])
+    assert all(
+        ms > 0 for ms in res.raw["moto_server_cpu_ms_per_request"] + res.raw["s3_served_directly_cpu_ms_per_request"]
+    )
 
 
 def test_bare_trains_every_learner_at_once_each_in_a_fork():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bare", "--learners", "2", "--steps", "2", "--inner-steps", "1"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bare", "--learners", "2", "--steps", "2", "--inner-steps", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     runs = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["steps"] for r in runs] == [2, 2]
     assert runs[0]["tokens"] == runs[1]["tokens"] == 2 * BATCH * build_model(PRESET, 0).config.block_size

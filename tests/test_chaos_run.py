@@ -20,8 +20,9 @@ CHAOS = ["kill:west@round2", "stall:s3@20s+20s", "crash:synchronizer@publish.aft
 
 
 def islands(env: dict, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
@@ -29,8 +30,24 @@ def test_chaos_run_completes_and_the_books_balance(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PREFECT_", "ISLANDS_"))}
     env["ISLANDS_HOME"] = str(tmp_path)
     t0 = time.monotonic()
-    run = islands(env, "run", "--run-id", "chaos-run", "--regions", ",".join(REGIONS), "--rounds", str(ROUNDS),
-                  "--inner-steps", "10", "--min-quorum", "2", "--chaos", ",".join(CHAOS), "--json", timeout=900)
+    run = islands(
+        env,
+        "run",
+        "--run-id",
+        "chaos-run",
+        "--regions",
+        ",".join(REGIONS),
+        "--rounds",
+        str(ROUNDS),
+        "--inner-steps",
+        "10",
+        "--min-quorum",
+        "2",
+        "--chaos",
+        ",".join(CHAOS),
+        "--json",
+        timeout=900,
+    )
     wall = time.monotonic() - t0
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
@@ -43,12 +60,25 @@ def test_chaos_run_completes_and_the_books_balance(tmp_path):
     assert held and int(held.group(1)) > 0, "the stall must have held S3 traffic"
 
     # The stack saved its buckets on the way out; audit them where they lie.
-    audit = islands(env, "audit", "chaos-run", "--replay", "--json", "--store", f"file://{tmp_path}/s3/islands-{{bucket}}",
-                    timeout=300)
+    audit = islands(
+        env,
+        "audit",
+        "chaos-run",
+        "--replay",
+        "--json",
+        "--store",
+        f"file://{tmp_path}/s3/islands-{{bucket}}",
+        timeout=300,
+    )
     report = json.loads(audit.stdout)
     assert audit.returncode == 0 and report["ok"], audit.stdout[-4000:] + audit.stderr[-2000:]
-    books = {c: sum(row[c] for row in report["ledger"].values()) for c in ("trained", "applied", "dropped", "pending", "lost")}
+    books = {
+        c: sum(row[c] for row in report["ledger"].values())
+        for c in ("trained", "applied", "dropped", "pending", "lost")
+    }
     assert books["lost"] <= 0, report["ledger"]
     assert report["ledger"]["west-0"]["trained"] > 0
-    print(f"\nchaos run: {ROUNDS} rounds in {wall:.0f} s (islands run wall {summary['wall_s']} s); "
-          f"{', '.join(CHAOS)}\n  {chaos}\n  tokens {books}; applied {books['applied'] / books['trained']:.1%} of trained")
+    print(
+        f"\nchaos run: {ROUNDS} rounds in {wall:.0f} s (islands run wall {summary['wall_s']} s); "
+        f"{', '.join(CHAOS)}\n  {chaos}\n  tokens {books}; applied {books['applied'] / books['trained']:.1%} of trained"
+    )

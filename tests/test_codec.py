@@ -26,14 +26,25 @@ from storage.codec import (
 from storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
 from storage.store import sha256_hex
 
-META = {"run": "run-abc", "learner": "us-east-0", "region": "us-east", "phase": "3", "base_round": "2",
-        "inner_steps": "50", "tokens": "65536", "loss": "2.75"}
+META = {
+    "run": "run-abc",
+    "learner": "us-east-0",
+    "region": "us-east",
+    "phase": "3",
+    "base_round": "2",
+    "inner_steps": "50",
+    "tokens": "65536",
+    "loss": "2.75",
+}
 
 
 def tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"wte.weight": torch.randn(16, 8, generator=g), "ln.bias": torch.randn(8, generator=g) * 1e-3,
-            "step": torch.arange(5, dtype=torch.int64)}
+    return {
+        "wte.weight": torch.randn(16, 8, generator=g),
+        "ln.bias": torch.randn(8, generator=g) * 1e-3,
+        "step": torch.arange(5, dtype=torch.int64),
+    }
 
 
 def raw(header: dict, body: bytes) -> bytes:
@@ -48,6 +59,7 @@ def header_length(data: bytes) -> int:
 
 # -- round trips --------------------------------------------------------------------------------
 
+
 def test_fp32_round_trip_is_exact_with_metadata():
     src = tensors()
     data = encode(src, {**META, "finished_at": 1.5}, codec="fp32")
@@ -56,7 +68,7 @@ def test_fp32_round_trip_is_exact_with_metadata():
     for name in src:
         assert out[name].dtype == src[name].dtype
         assert torch.equal(out[name], src[name])
-    assert meta.pop("body_sha256") == hashlib.sha256(data[8 + header_length(data):]).hexdigest()
+    assert meta.pop("body_sha256") == hashlib.sha256(data[8 + header_length(data) :]).hexdigest()
     assert meta == {**META, "finished_at": "1.5", "codec": "fp32"}
     header, header_meta = read_header(data)
     assert header["wte.weight"]["dtype"] == "F32"
@@ -87,8 +99,11 @@ def test_unknown_codec_is_refused():
 
 
 def test_state_round_trip_is_exact_in_every_dtype():
-    src = {"m": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3).to(torch.bfloat16),
-           "n": torch.tensor([7], dtype=torch.int32)}
+    src = {
+        "m": torch.randn(4, 4, dtype=torch.float64),
+        "b": torch.randn(3).to(torch.bfloat16),
+        "n": torch.tensor([7], dtype=torch.int32),
+    }
     out = decode_state(encode_state(src, {"round": "4"}))
     assert set(out) == set(src)
     for name in src:
@@ -110,6 +125,7 @@ def test_encoding_with_several_metadata_entries_is_deterministic():
 
 # -- refusals -----------------------------------------------------------------------------------
 
+
 def refusal(data: bytes, **kw) -> str:
     with pytest.raises(CodecError) as info:
         read_header(data, **kw)
@@ -119,7 +135,7 @@ def refusal(data: bytes, **kw) -> str:
 def test_read_header_refusals_each_say_why():
     good = encode(tensors(), META)
     n = header_length(good)
-    body = good[8 + n:]
+    body = good[8 + n :]
     entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     messages = {
         "short": refusal(good[:5]),
@@ -218,8 +234,9 @@ def test_every_flipped_header_byte_is_refused():
             decode(bytes(bad))
 
 
-@pytest.mark.parametrize("needle,replacement", [(b'{"__', b'z"__'), (b'"data_offsets":[0,', b'"data_offsets":[1,'),
-                                                (b'"F32"', b'"G32"')])
+@pytest.mark.parametrize(
+    "needle,replacement", [(b'{"__', b'z"__'), (b'"data_offsets":[0,', b'"data_offsets":[1,'), (b'"F32"', b'"G32"')]
+)
 def test_single_bit_flips_in_structure_are_refused(needle, replacement):
     good = encode(tensors(), META)
     assert sum(a != b for a, b in zip(needle, replacement)) == 1
@@ -262,19 +279,53 @@ def test_pickle_payloads_are_refused_and_never_run(tmp_path):
 
 # -- manifest -----------------------------------------------------------------------------------
 
+
 def manifest(**changes) -> Manifest:
     fields = dict(
-        run="run-abc", round=3, parent_round=2, parent_sha256="ab" * 32, created_at="2026-01-01T00:00:00Z",
-        model=ObjectRef(key="runs/run-abc/rounds/000003/model-0123456789abcdef.safetensors", sha256="cd" * 32, bytes=1234),
+        run="run-abc",
+        round=3,
+        parent_round=2,
+        parent_sha256="ab" * 32,
+        created_at="2026-01-01T00:00:00Z",
+        model=ObjectRef(
+            key="runs/run-abc/rounds/000003/model-0123456789abcdef.safetensors", sha256="cd" * 32, bytes=1234
+        ),
         outer=None,
-        contributions=[Contribution(learner="us-east-0", region="us-east", phase=5, base_round=2, staleness=1,
-                                    tokens=4096, tokens_counted=4096, weight=2730.6666666666665, loss=2.5,
-                                    bytes=999, key="runs/run-abc/deltas/us-east-0/000005.safetensors",
-                                    sha256="ef" * 32, finished_at=1.75e9, seconds=12.5)],
-        excluded=[Excluded(kind="dropped", key="runs/run-abc/deltas/eu-west-0/000001.safetensors",
-                           reason="staleness 5 > 4", learner="eu-west-0", tokens=100)],
-        quorum=Quorum(min_quorum=2, max_quorum=4, received=3, learners=["us-east-0", "ap-south-0", "sa-east-0"],
-                      waited_s=4.5, closed_by="quorum+grace"),
+        contributions=[
+            Contribution(
+                learner="us-east-0",
+                region="us-east",
+                phase=5,
+                base_round=2,
+                staleness=1,
+                tokens=4096,
+                tokens_counted=4096,
+                weight=2730.6666666666665,
+                loss=2.5,
+                bytes=999,
+                key="runs/run-abc/deltas/us-east-0/000005.safetensors",
+                sha256="ef" * 32,
+                finished_at=1.75e9,
+                seconds=12.5,
+            )
+        ],
+        excluded=[
+            Excluded(
+                kind="dropped",
+                key="runs/run-abc/deltas/eu-west-0/000001.safetensors",
+                reason="staleness 5 > 4",
+                learner="eu-west-0",
+                tokens=100,
+            )
+        ],
+        quorum=Quorum(
+            min_quorum=2,
+            max_quorum=4,
+            received=3,
+            learners=["us-east-0", "ap-south-0", "sa-east-0"],
+            waited_s=4.5,
+            closed_by="quorum+grace",
+        ),
         hyper={"outer_lr": 0.5, "outer_momentum": 0.9, "codec": "fp32", "max_staleness": 4},
         eval_loss=2.25,
         timings={"collect": 4.5, "merge": 0.25},
@@ -290,8 +341,10 @@ def test_manifest_round_trip():
     assert back == m
     assert back.to_bytes() == data
     assert back.contributions[0].weight == 2730.6666666666665
-    assert back.consumed_keys() == {"runs/run-abc/deltas/us-east-0/000005.safetensors",
-                                    "runs/run-abc/deltas/eu-west-0/000001.safetensors"}
+    assert back.consumed_keys() == {
+        "runs/run-abc/deltas/us-east-0/000005.safetensors",
+        "runs/run-abc/deltas/eu-west-0/000001.safetensors",
+    }
 
 
 def test_manifest_bytes_are_canonical():
@@ -330,8 +383,13 @@ def test_tensors_written_one_at_a_time_give_encode_states_very_bytes(tmp_path):
     """TensorFileWriter takes tensors in any order and any dtype mix and makes what encode_state
     writes for the whole dict, as encode_state_object does from memory: a merge can stream an
     object and its sha256 still names it."""
-    tensors = {"b": torch.randn(5, dtype=torch.bfloat16), "a": torch.randn(2, 3), "c": torch.tensor(7),
-               "z": torch.arange(3, dtype=torch.uint8), "e": torch.zeros(0)}
+    tensors = {
+        "b": torch.randn(5, dtype=torch.bfloat16),
+        "a": torch.randn(2, 3),
+        "c": torch.tensor(7),
+        "z": torch.arange(3, dtype=torch.uint8),
+        "e": torch.zeros(0),
+    }
     for meta in ({"run": "r", "round": "3"}, None):
         with TensorFileWriter(tmp_path / f"parts-{meta is None}") as writer:
             for name in ("z", "a", "e", "c", "b"):
@@ -377,4 +435,6 @@ def test_a_released_tensor_gives_its_disk_back_and_cannot_be_read_again(tmp_path
         assert all(on_disk[8 + n + a : 8 + n + b] == bytes(b - a) for a, b in spans)
         assert on_disk[: 8 + n] == data[: 8 + n]
         released_blocks = sum(b - a for a, b in spans) // 512
-        assert os.stat(path).st_blocks <= blocks - released_blocks + 16 * len(spans)  # a partial page may stay at each edge
+        assert os.stat(path).st_blocks <= blocks - released_blocks + 16 * len(
+            spans
+        )  # a partial page may stay at each edge

@@ -160,6 +160,7 @@ def test_fp32_needs_no_residual_and_the_residual_round_trips_through_the_learner
 
 # -- hostile parts -------------------------------------------------------------------------------
 
+
 def hostile(codec: str, **changes) -> bytes:
     wire = to_wire({"w": torch.randn(10, 13)}, codec)
     for name, value in changes.items():
@@ -232,8 +233,11 @@ def test_deflated_integers_must_be_bytes_and_come_alone():
 def test_a_reader_that_knows_the_shape_refuses_a_larger_one_before_inflating():
     """A few kB of deflated zeros can declare a tensor of a GB: the shape is checked first."""
     n = 2**28
-    bomb = {"w.z": as_bytes(zlib.compress(bytes(n // 2))), "w.scale": torch.zeros(n // BLOCK, dtype=torch.bfloat16),
-            "w.shape": torch.tensor([n])}
+    bomb = {
+        "w.z": as_bytes(zlib.compress(bytes(n // 2))),
+        "w.scale": torch.zeros(n // BLOCK, dtype=torch.bfloat16),
+        "w.shape": torch.tensor([n]),
+    }
     with pytest.raises(ValueError, match=r"wrong shape: \(268435456,\) instead of \(10, 13\)"):
         decode_one("w", bomb, "int4", shape_wanted=(10, 13))
 
@@ -246,12 +250,16 @@ def test_a_pseudo_gradients_integers_go_deflated_and_decode_to_the_same_values(c
     assert "w.q" not in wire and wire["w.z"].dtype == torch.uint8
     assert wire["w.z"].numel() < 0.95 * q.numel() * q.element_size()
     assert torch.equal(wire["w.scale"], scale)
-    assert torch.equal(from_wire(wire, codec)["w"], dequantize(q, scale, [256, 128], {"int8": 8, "int4": 4, "int3": 3,
-                                                                                        "int2": 2}[codec]))
+    assert torch.equal(
+        from_wire(wire, codec)["w"],
+        dequantize(q, scale, [256, 128], {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec]),
+    )
 
 
 def test_integers_that_do_not_shrink_stay_packed_and_packed_objects_still_decode():
-    t = torch.linspace(-1, 1, 256)[torch.randperm(256, generator=torch.Generator().manual_seed(0))]  # every int8 level once or twice
+    t = torch.linspace(-1, 1, 256)[
+        torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    ]  # every int8 level once or twice
     wire = to_wire({"w": t}, "int8")
     assert "w.z" not in wire and torch.equal(wire["w.q"], quantize(t, 8)[0])
     small = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 1e-3

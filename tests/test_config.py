@@ -7,14 +7,14 @@ from pathlib import Path
 
 import boto3
 import pytest
-from pydantic import ValidationError
 import s3fs
+from pydantic import ValidationError
 
 from flows import cli
 from tasks.core.config import ConfigError, RunConfig, load_config
 
-
 # -- the model itself -----------------------------------------------------------------------------
+
 
 def test_defaults_validate():
     cfg = RunConfig()
@@ -29,8 +29,12 @@ def test_defaults_validate():
 def test_learners_order_and_names():
     cfg = RunConfig(regions=["us-east", "eu-west", "ap-south"], learners_per_region=2, speed={})
     assert cfg.learners() == [
-        ("us-east-0", "us-east", 0), ("eu-west-0", "eu-west", 1), ("ap-south-0", "ap-south", 2),
-        ("us-east-1", "us-east", 3), ("eu-west-1", "eu-west", 4), ("ap-south-1", "ap-south", 5),
+        ("us-east-0", "us-east", 0),
+        ("eu-west-0", "eu-west", 1),
+        ("ap-south-0", "ap-south", 2),
+        ("us-east-1", "us-east", 3),
+        ("eu-west-1", "eu-west", 4),
+        ("ap-south-1", "ap-south", 5),
     ]
     assert cfg.num_learners == 6
     assert cfg.max_quorum == 6
@@ -73,7 +77,10 @@ def test_a_run_ends_at_its_last_round_its_target_loss_or_its_token_budget():
     assert budget.ended_by(2, 1.0, 999) is None
     assert budget.ended_by(2, 1.0, 1000) == "round 2 merged the token budget of 1,000 (1,000)"
     assert plain.end_rule() == "5 rounds"
-    assert RunConfig(rounds=5, target_loss=2.5, token_budget=10**6).end_rule() == "5 rounds or eval loss 2.5 or 1,000,000 tokens merged"
+    assert (
+        RunConfig(rounds=5, target_loss=2.5, token_budget=10**6).end_rule()
+        == "5 rounds or eval loss 2.5 or 1,000,000 tokens merged"
+    )
     for field in ("target_loss", "token_budget"):
         with pytest.raises(ValidationError, match=field):
             RunConfig(**{field: 0})
@@ -94,7 +101,9 @@ def test_rounds_evaluated_are_every_nth_and_the_one_that_ends_the_run():
 
 def test_load_config_file_with_nested_overrides(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('rounds = 3\ncodec = "bf16"\n[quorum]\ngrace_max_s = 2.5\nmin_quorum = 1\n[merge]\nouter_lr = 0.3\n')
+    path.write_text(
+        'rounds = 3\ncodec = "bf16"\n[quorum]\ngrace_max_s = 2.5\nmin_quorum = 1\n[merge]\nouter_lr = 0.3\n'
+    )
     cfg = load_config(path, {"quorum.min_quorum": 3, "rounds": 5, "inner.lr": 0.002})
     assert cfg.rounds == 5
     assert cfg.codec == "bf16"
@@ -125,11 +134,36 @@ def test_load_config_errors_name_the_field(tmp_path):
 
 
 def test_cli_overrides_map_flags_to_fields():
-    args = cli.parser().parse_args(["run", "--min-quorum", "2", "--inner-steps", "7", "--speed", "us-east=0.5",
-                                    "--speed", "eu-west=1", "--codec", "bf16", "--target-loss", "2.4",
-                                    "--token-budget", "5000", "--eval-every", "0"])
-    assert cli.overrides(args) == {"quorum.min_quorum": 2, "inner_steps": 7, "codec": "bf16", "target_loss": 2.4,
-                                   "token_budget": 5000, "eval_every": 0, "speed": {"us-east": 0.5, "eu-west": 1.0}}
+    args = cli.parser().parse_args(
+        [
+            "run",
+            "--min-quorum",
+            "2",
+            "--inner-steps",
+            "7",
+            "--speed",
+            "us-east=0.5",
+            "--speed",
+            "eu-west=1",
+            "--codec",
+            "bf16",
+            "--target-loss",
+            "2.4",
+            "--token-budget",
+            "5000",
+            "--eval-every",
+            "0",
+        ]
+    )
+    assert cli.overrides(args) == {
+        "quorum.min_quorum": 2,
+        "inner_steps": 7,
+        "codec": "bf16",
+        "target_loss": 2.4,
+        "token_budget": 5000,
+        "eval_every": 0,
+        "speed": {"us-east": 0.5, "eu-west": 1.0},
+    }
     # other regions without --speed: the demo's eu-west slowdown no longer applies
     args = cli.parser().parse_args(["run", "--regions", "a-1, b-2"])
     assert cli.overrides(args) == {"regions": ["a-1", "b-2"]}
@@ -139,6 +173,7 @@ def test_cli_overrides_map_flags_to_fields():
 
 
 # -- the command line refuses bad configurations ---------------------------------------------------
+
 
 @pytest.fixture
 def cli_env(tmp_path, monkeypatch):
@@ -264,6 +299,7 @@ def test_section_given_as_scalar(cli_env, capsys, monkeypatch):
 
 
 # -- unusable storage is refused before anything is written ---------------------------------------
+
 
 @pytest.fixture
 def fresh_s3fs():

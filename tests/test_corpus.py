@@ -7,8 +7,16 @@ from storage.corpus import SKIPPED_DIRS, CorpusError, read_corpus, stdlib_files
 
 
 def test_stdlib_files_prune_test_suites_and_installed_packages(tmp_path):
-    for rel in ["a.py", "pkg/b.py", "pkg/tests/c.py", "test/d.py", "site-packages/x/e.py", "idle_test/f.py",
-                "pkg/notes.txt", "pkg/__pycache__/b.cpython-311.pyc"]:
+    for rel in [
+        "a.py",
+        "pkg/b.py",
+        "pkg/tests/c.py",
+        "test/d.py",
+        "site-packages/x/e.py",
+        "idle_test/f.py",
+        "pkg/notes.txt",
+        "pkg/__pycache__/b.cpython-311.pyc",
+    ]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
     assert stdlib_files(tmp_path) == [tmp_path / "a.py", tmp_path / "pkg" / "b.py"]

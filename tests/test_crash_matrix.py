@@ -22,8 +22,8 @@ import boto3
 import pytest
 from conftest import STACK_REGIONS
 
-from storage.store import Stores
 from flows.audit import audit_run
+from storage.store import Stores
 from tasks.crash import LEARNER_POINTS, POINTS
 
 REGIONS = STACK_REGIONS
@@ -48,8 +48,13 @@ def stack(islands_stack, on_stack):
 
 def islands(env: dict, *args: str, crash: str | None = None) -> subprocess.Popen:
     extra = {"ISLANDS_CRASH": crash} if crash else {}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], env={**env, **extra},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        env={**env, **extra},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def learner_runs(api_url: str, run: str) -> list[dict]:
@@ -75,8 +80,11 @@ def keys(s3, bucket: str, prefix: str) -> set[str]:
 
 def print_matrix() -> None:
     cols = ("survived", "rounds", "trained", "applied", "dropped", "pending", "lost", "twice", "wall_s")
-    lines = ["", "crash-point matrix (tokens summed over learners; twice = re-done after a delta-before-state crash)",
-             f"{'point':<24}" + "".join(f"{c:>10}" for c in cols)]
+    lines = [
+        "",
+        "crash-point matrix (tokens summed over learners; twice = re-done after a delta-before-state crash)",
+        f"{'point':<24}" + "".join(f"{c:>10}" for c in cols),
+    ]
     for point in POINTS:
         row = RESULTS.get(point)
         if row:
@@ -97,8 +105,11 @@ def test_crash_then_resume_loses_nothing_and_applies_nothing_twice(stack, point)
     args = ["--regions", ",".join(REGIONS), "--rounds", str(ROUNDS), "--inner-steps", str(H)]
     driver = islands(env, "run", "--run-id", run, *args, crash=qualified(point))
     if point in LEARNER_POINTS:
-        wait_until(lambda: sum(r["state_type"] == "CRASHED" for r in learner_runs(s.api_url, run)) == len(REGIONS),
-                   180, f"both learners to die at {point}")
+        wait_until(
+            lambda: sum(r["state_type"] == "CRASHED" for r in learner_runs(s.api_url, run)) == len(REGIONS),
+            180,
+            f"both learners to die at {point}",
+        )
         assert driver.poll() is None, driver.communicate()[1][-3000:]
         driver.kill()
         driver.wait()
@@ -111,15 +122,20 @@ def test_crash_then_resume_loses_nothing_and_applies_nothing_twice(stack, point)
     assert resumed.returncode == 0, err[-4000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["rounds_published"] == ROUNDS
-    wait_until(lambda: all(r["state_type"] in ("COMPLETED", "CRASHED", "CANCELLED") for r in learner_runs(s.api_url, run)),
-               60, "every learner run to end")
+    wait_until(
+        lambda: all(r["state_type"] in ("COMPLETED", "CRASHED", "CANCELLED") for r in learner_runs(s.api_url, run)),
+        60,
+        "every learner run to end",
+    )
 
     # A synchronizer killed mid-round leaves its spooled deltas; the resumed one removes them.
     assert not list(Path(tempfile.gettempdir()).glob(f"islands*-{run}-*")), f"{point}: a spool folder was left"
 
     report = audit_run(Stores("s3://islands-{bucket}", REGIONS), run, replay=True)
     assert report.ok, "\n".join(p.line() for p in report.problems)
-    books = {c: sum(row[c] for row in report.ledger.values()) for c in ("trained", "applied", "dropped", "pending", "lost")}
+    books = {
+        c: sum(row[c] for row in report.ledger.values()) for c in ("trained", "applied", "dropped", "pending", "lost")
+    }
     phase_tokens = H * 16 * 128
     assert all(row["lost"] <= 0 for row in report.ledger.values()), report.ledger
     if point == "phase.after_delta":
@@ -128,11 +144,18 @@ def test_crash_then_resume_loses_nothing_and_applies_nothing_twice(stack, point)
     else:
         assert books["lost"] == 0, report.ledger
 
-    s3 = boto3.client("s3", endpoint_url=s.s3_url, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s.s3_url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     # Every round is evaluated, also one whose synchronizer died between its manifest and its evaluation.
     published = keys(s3, "islands-global", f"runs/{run}/rounds/")
-    assert all(f"runs/{run}/rounds/{r:06d}/eval.json" in published for r in range(1, ROUNDS + 1)), f"{point}: {sorted(published)}"
+    assert all(f"runs/{run}/rounds/{r:06d}/eval.json" in published for r in range(1, ROUNDS + 1)), (
+        f"{point}: {sorted(published)}"
+    )
     for region in REGIONS:
         learner = f"{region}-0"
         found = keys(s3, f"islands-{region}", f"runs/{run}/")
@@ -142,6 +165,11 @@ def test_crash_then_resume_loses_nothing_and_applies_nothing_twice(stack, point)
             assert f"runs/{run}/learners/{learner}/state-000001.safetensors" not in found
     # One driver epoch per start; no learner of the crashed driver outlived the resume's launch.
     assert len({k for k in keys(s3, "islands-global", f"runs/{run}/drivers/") if k.endswith(".json")}) == 2
-    RESULTS[point] = {"survived": "yes", "rounds": summary["rounds_published"], **books,
-                      "twice": -books["lost"], "wall_s": round(time.monotonic() - t0)}
+    RESULTS[point] = {
+        "survived": "yes",
+        "rounds": summary["rounds_published"],
+        **books,
+        "twice": -books["lost"],
+        "wall_s": round(time.monotonic() - t0),
+    }
     RESULTS[point]["lost"] = max(0, books["lost"])

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from infra.process import free_port
-from tasks.core.data import BatchSampler
 from tasks.core.config import InnerSettings
+from tasks.core.data import BatchSampler
 from tasks.core.inner import InnerTrainer
 from tasks.core.model import build_model
 
@@ -39,8 +39,17 @@ def phase(tmp_path: Path, out: str, launcher: list[str]) -> tuple[dict[str, torc
 
 def test_two_ranks_give_the_delta_of_one_process_with_the_whole_batch(tmp_path):
     one, one_meta = phase(tmp_path, "one.safetensors", [sys.executable])
-    torchrun = [str(TORCHRUN), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port())]
+    torchrun = [
+        str(TORCHRUN),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
     two, two_meta = phase(tmp_path, "two.safetensors", torchrun)
     assert (one_meta["world_size"], two_meta["world_size"]) == ("1", "2")
     assert one_meta["tokens"] == two_meta["tokens"] == str(3 * 4 * 128)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import STACK_REGIONS
 
 ROUNDS, TARGET = 40, 5.0  # round 0 evaluates at about 5.5; H=8 rounds pass 5.0 within a few
@@ -18,8 +17,9 @@ BUDGET = 3 * 8 * 16 * 128  # three phases of 8 steps of 16 × 128 tokens
 
 
 def islands(env: dict, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--json"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--json"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -31,8 +31,21 @@ def env(islands_stack):
 
 
 def run(env: dict, run_id: str, *until: str) -> dict:
-    return islands(env, "run", "--run-id", run_id, "--regions", ",".join(STACK_REGIONS), "--rounds", str(ROUNDS),
-                   "--inner-steps", "8", "--min-quorum", "1", *until)
+    return islands(
+        env,
+        "run",
+        "--run-id",
+        run_id,
+        "--regions",
+        ",".join(STACK_REGIONS),
+        "--rounds",
+        str(ROUNDS),
+        "--inner-steps",
+        "8",
+        "--min-quorum",
+        "1",
+        *until,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,5 +81,7 @@ def test_a_run_ends_at_the_first_round_that_merges_its_token_budget(env):
     assert status["state"] == "finished" and status["tokens_applied"] >= BUDGET
     assert [r["round"] for r in status["rounds"]] == list(range(1, last + 1))
     assert all(r["tokens_applied"] < BUDGET for r in status["rounds"][:-1])
-    assert summary["eval_loss_round0"] is None and [r["eval_loss"] is None for r in status["rounds"]] == [True] * (last - 1) + [False]
+    assert summary["eval_loss_round0"] is None and [r["eval_loss"] is None for r in status["rounds"]] == [True] * (
+        last - 1
+    ) + [False]
     assert summary["eval_loss_final"] == status["rounds"][-1]["eval_loss"] < 5.6

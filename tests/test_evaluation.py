@@ -18,10 +18,16 @@ RUN = "run-eval"
 
 def manifest(round_: int, eval_loss: float | None = None) -> Manifest:
     return Manifest(
-        run=RUN, round=round_, parent_round=round_ - 1 if round_ else None, parent_sha256=None,
-        created_at="2026-01-01T00:00:00+00:00", model=ObjectRef(key=f"m{round_}", sha256=f"{round_:02d}" * 32, bytes=10),
-        outer=None, quorum=Quorum(min_quorum=1, max_quorum=2, received=1, learners=[], waited_s=1.0, closed_by="all-in"),
-        hyper={}, eval_loss=eval_loss,
+        run=RUN,
+        round=round_,
+        parent_round=round_ - 1 if round_ else None,
+        parent_sha256=None,
+        created_at="2026-01-01T00:00:00+00:00",
+        model=ObjectRef(key=f"m{round_}", sha256=f"{round_:02d}" * 32, bytes=10),
+        outer=None,
+        quorum=Quorum(min_quorum=1, max_quorum=2, received=1, learners=[], waited_s=1.0, closed_by="all-in"),
+        hyper={},
+        eval_loss=eval_loss,
     )
 
 

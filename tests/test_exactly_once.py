@@ -13,16 +13,20 @@ import subprocess
 import sys
 import time
 
+from fake_learner import delta_bytes, new_run, put
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
-    FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId, TaskRunFilterName,
+    FlowRunFilter,
+    FlowRunFilterName,
+    TaskRunFilter,
+    TaskRunFilterFlowRunId,
+    TaskRunFilterName,
 )
 
-from fake_learner import delta_bytes, new_run, put
+from flows.audit import audit_run
 from flows.outer_round import outer_round
 from infra.s3_server import client
 from storage import layout
-from flows.audit import audit_run
 
 RUN = "race-run"
 SYNCHRONIZER = (
@@ -42,9 +46,16 @@ def wait_collecting(name: str, count: int, timeout_s: float = 120.0) -> None:
     with get_client(sync_client=True) as c:
         while time.monotonic() < deadline:
             runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
-            collecting = c.read_task_runs(task_run_filter=TaskRunFilter(
-                flow_run_id=TaskRunFilterFlowRunId(any_=[r.id for r in runs]),
-                name=TaskRunFilterName(like_="collect"))) if runs else []
+            collecting = (
+                c.read_task_runs(
+                    task_run_filter=TaskRunFilter(
+                        flow_run_id=TaskRunFilterFlowRunId(any_=[r.id for r in runs]),
+                        name=TaskRunFilterName(like_="collect"),
+                    )
+                )
+                if runs
+                else []
+            )
             if sum(1 for t in collecting if t.state and t.state.is_running()) >= count:
                 return
             time.sleep(0.5)
@@ -56,8 +67,13 @@ def test_two_synchronizers_on_one_round_publish_exactly_one_manifest(on_stack):
     s3.put_bucket_versioning(Bucket="islands-global", VersioningConfiguration={"Status": "Enabled"})
     config, stores = new_run(RUN, min_quorum=2, round_timeout_s=120.0)
     procs = [
-        subprocess.Popen([sys.executable, "-c", SYNCHRONIZER, RUN, stores.template], env={**os.environ, **on_stack},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", SYNCHRONIZER, RUN, stores.template],
+            env={**os.environ, **on_stack},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     try:

@@ -49,22 +49,26 @@ def test_an_unregistered_crash_point_is_refused():
 
 
 def test_chaos_specs_parse_comma_separated_and_repeated():
-    chaos = Chaos.parse(["kill:eu-west@round3,restart:us-east@round5", "stall:s3@40s+20s",
-                         "crash:synchronizer@publish.after_model"])
+    chaos = Chaos.parse(
+        ["kill:eu-west@round3,restart:us-east@round5", "stall:s3@40s+20s", "crash:synchronizer@publish.after_model"]
+    )
     assert chaos.kills == {3: ["eu-west"]} and chaos.restarts == {5: ["us-east"]}
     assert chaos.stalls == [Stall(40.0, 20.0)]
     assert chaos.crashes == [("publish.after_model", None)]
     assert Chaos.parse(["crash:synchronizer@collect.done@round2"]).crashes == [("collect.done", 2)]
 
 
-@pytest.mark.parametrize("spec, names", [
-    ("explode:eu-west@round3", "kill:"),
-    ("kill:eu-west@3", "kill:REGION@roundN"),
-    ("stall:s3@40+20", "stall:s3@STARTs+LENGTHs"),
-    ("crash:synchronizer@phase.after_delta", "crash:synchronizer@POINT"),
-    ("crash:learner@publish.after_model", "crash:synchronizer@POINT"),
-    ("crash:synchronizer@round.after_publish", "crash:synchronizer@POINT"),
-])
+@pytest.mark.parametrize(
+    "spec, names",
+    [
+        ("explode:eu-west@round3", "kill:"),
+        ("kill:eu-west@3", "kill:REGION@roundN"),
+        ("stall:s3@40+20", "stall:s3@STARTs+LENGTHs"),
+        ("crash:synchronizer@phase.after_delta", "crash:synchronizer@POINT"),
+        ("crash:learner@publish.after_model", "crash:synchronizer@POINT"),
+        ("crash:synchronizer@round.after_publish", "crash:synchronizer@POINT"),
+    ],
+)
 def test_a_bad_chaos_spec_names_the_bad_part(spec, names):
     with pytest.raises(ChaosError) as err:
         Chaos.parse(["kill:eu-west@round1", spec])
@@ -75,7 +79,9 @@ def test_a_region_killed_then_restarted_is_away_in_between_and_killed_once(monke
     import flows.learner_runs
 
     killed = []
-    monkeypatch.setattr(flows.learner_runs, "kill_learners", lambda run, region: killed.append(region) or [f"learner-{region}-0"])
+    monkeypatch.setattr(
+        flows.learner_runs, "kill_learners", lambda run, region: killed.append(region) or [f"learner-{region}-0"]
+    )
     monkeypatch.setattr(Chaos, "_note", lambda self, line: self.log.append(line))
     chaos = Chaos.parse(["kill:west@round2,restart:west@round4"])
     learners = [("west-0", "west", 0), ("east-0", "east", 1)]
@@ -138,7 +144,9 @@ def echo_server() -> tuple[socket.socket, int]:
                 conn, _ = srv.accept()
             except OSError:
                 return
-            threading.Thread(target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(1024), b"")], daemon=True).start()
+            threading.Thread(
+                target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(1024), b"")], daemon=True
+            ).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return srv, srv.getsockname()[1]
@@ -163,8 +171,10 @@ def test_the_proxy_holds_traffic_while_paused_and_lets_it_through_after():
 
 
 def test_checking_faults_imports_no_prefect_before_the_stack_settings_exist():
-    code = ("import sys, flows.cli as c; "
-            "assert c.check_faults(c.RunConfig(), ['kill:eu-west@round2,stall:s3@1s+1s']) is None; "
-            "assert 'prefect' not in sys.modules, 'Prefect would read its settings before the stack sets them'")
+    code = (
+        "import sys, flows.cli as c; "
+        "assert c.check_faults(c.RunConfig(), ['kill:eu-west@round2,stall:s3@1s+1s']) is None; "
+        "assert 'prefect' not in sys.modules, 'Prefect would read its settings before the stack sets them'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -51,11 +51,16 @@ def credentials(endpoint):
     out = {}
     for role, regions in (("learner", ["north"]), ("synchronizer", REGIONS)):
         iam.create_user(UserName=role)
-        arn = iam.create_policy(PolicyName=role, PolicyDocument=json.dumps(policy(role, RUN, TEMPLATE, regions)))["Policy"]["Arn"]
+        arn = iam.create_policy(PolicyName=role, PolicyDocument=json.dumps(policy(role, RUN, TEMPLATE, regions)))[
+            "Policy"
+        ]["Arn"]
         iam.attach_user_policy(UserName=role, PolicyArn=arn)
         key = iam.create_access_key(UserName=role)["AccessKey"]
-        out[role] = {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"],
-                     "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        out[role] = {
+            "key": key["AccessKeyId"],
+            "secret": key["SecretAccessKey"],
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
     return out
 
 
@@ -80,12 +85,15 @@ def test_learner_writes_its_own_region_and_reads_the_global_bucket(credentials):
     assert store(credentials, "learner", "global").get(f"runs/{RUN}/rounds/000000/manifest.json") == b"{}"
 
 
-@pytest.mark.parametrize("bucket, key", [
-    ("global", f"runs/{RUN}/rounds/000001/manifest.json"),
-    ("south", f"runs/{RUN}/deltas/south-0/000000.safetensors"),
-    ("south", f"runs/{RUN}/cache/000000/model-0123456789abcdef.safetensors"),
-    ("north", "runs/other-run/deltas/north-0/000000.safetensors"),
-])
+@pytest.mark.parametrize(
+    "bucket, key",
+    [
+        ("global", f"runs/{RUN}/rounds/000001/manifest.json"),
+        ("south", f"runs/{RUN}/deltas/south-0/000000.safetensors"),
+        ("south", f"runs/{RUN}/cache/000000/model-0123456789abcdef.safetensors"),
+        ("north", "runs/other-run/deltas/north-0/000000.safetensors"),
+    ],
+)
 def test_learner_is_refused_outside_its_region_and_run(credentials, bucket, key):
     with pytest.raises(PermissionError):
         store(credentials, "learner", bucket).put_if_absent(key, b"forged")
@@ -98,5 +106,7 @@ def test_synchronizer_reads_every_region_and_writes_only_the_global_bucket(crede
     for region in REGIONS:
         assert isinstance(store(credentials, "synchronizer", region).list(f"runs/{RUN}/deltas/"), dict)
         with pytest.raises(PermissionError):
-            store(credentials, "synchronizer", region).put_if_absent(f"runs/{RUN}/deltas/{region}-0/000010.safetensors", b"forged")
+            store(credentials, "synchronizer", region).put_if_absent(
+                f"runs/{RUN}/deltas/{region}-0/000010.safetensors", b"forged"
+            )
     assert store(credentials, "synchronizer", "global").put_if_absent(f"runs/{RUN}/rounds/000001/manifest.json", b"{}")

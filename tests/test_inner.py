@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from tasks.core.data import BatchSampler
 from tasks.core.config import InnerSettings
+from tasks.core.data import BatchSampler
 from tasks.core.inner import InnerTrainer, carried, lr_at
 from tasks.core.model import build_model
 
@@ -36,7 +36,12 @@ def test_lr_schedule_points():
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"lr": 0}, "lr"), ({"warmup_steps": 700}, "total_steps"), ({"min_lr_ratio": 2}, "min_lr_ratio"), ({"beta2": 1.0}, "beta2")],
+    [
+        ({"lr": 0}, "lr"),
+        ({"warmup_steps": 700}, "total_steps"),
+        ({"min_lr_ratio": 2}, "min_lr_ratio"),
+        ({"beta2": 1.0}, "beta2"),
+    ],
 )
 def test_inner_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"(?s)InnerSettings.*\b{field}\b"):
@@ -59,7 +64,7 @@ def test_run_phase_returns_base_minus_local():
     result = trainer.run_phase(base, steps=3, on_step=lambda step, loss: seen.append((step, loss)))
     assert result.steps == 3 and trainer.step == 3
     assert result.tokens == 3 * 2 * 16
-    assert [s for s, _ in seen] == [1, 2, 3] and [l for _, l in seen] == result.losses
+    assert [s for s, _ in seen] == [1, 2, 3] and [loss for _, loss in seen] == result.losses
     assert result.loss == pytest.approx(sum(result.losses) / 3)
     assert abs(result.losses[0] - math.log(256)) < 0.2
     for name, param in trainer.model.named_parameters():

@@ -27,10 +27,14 @@ def test_learners_in_two_processes_give_the_serial_run_bit_for_bit():
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("budget, init", [
-    (Budget(steps=4, warmup=5), None),  # the workers fail building their trainers
-    (BUDGET, {"no such weight": torch.zeros(1)}),  # they fail in the first phase
-], ids=["building", "training"])
+@pytest.mark.parametrize(
+    "budget, init",
+    [
+        (Budget(steps=4, warmup=5), None),  # the workers fail building their trainers
+        (BUDGET, {"no such weight": torch.zeros(1)}),  # they fail in the first phase
+    ],
+    ids=["building", "training"],
+)
 def test_a_failing_worker_raises_its_error_in_the_caller_and_leaves_no_process(budget, init):
     with pytest.raises(RuntimeError, match="a learner worker failed") as failed:
         sync_diloco(budget, 0, 2, RULE, init=init, procs=2)

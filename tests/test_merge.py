@@ -30,7 +30,11 @@ def test_hand_computed_round():
         Dropped(E, "base round from the future: base_round 11 > round 10"),
     ]
 
-    deltas = {"a": torch.tensor([1.0, 0.0, 3.0]), "b": torch.tensor([4.0, 3.0, 0.0]), "c": torch.tensor([-1.0, 6.0, 0.0])}
+    deltas = {
+        "a": torch.tensor([1.0, 0.0, 3.0]),
+        "b": torch.tensor([4.0, 3.0, 0.0]),
+        "c": torch.tensor([-1.0, 6.0, 0.0]),
+    }
     merged = weighted_average([deltas[w.candidate.learner] for w in weighted], [w.weight for w in weighted])
     # Weights ∝ 3 : 2 : 6 -> (3·g_a + 2·g_b + 6·g_c) / 11
     assert merged.dtype == torch.float32

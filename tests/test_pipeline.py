@@ -16,10 +16,9 @@ import time
 
 import boto3
 import pytest
+from conftest import STACK_REGIONS
 from safetensors import safe_open
 from safetensors.torch import load as st_load
-
-from conftest import STACK_REGIONS
 
 REGIONS = STACK_REGIONS
 ROUNDS = 6  # the slow region starts late and trains a third as fast: room for its first delta to land
@@ -30,8 +29,23 @@ def finished_run(islands_stack):
     s, home = islands_stack
     env = {**os.environ, **s.env(), "ISLANDS_HOME": str(home)}
     cmd = [
-        sys.executable, "-m", "flows.cli", "run", "--run-id", "e2e-run", "--regions", ",".join(REGIONS),
-        "--rounds", str(ROUNDS), "--inner-steps", "8", "--min-quorum", "1", "--speed", "south=0.33", "--json",
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--run-id",
+        "e2e-run",
+        "--regions",
+        ",".join(REGIONS),
+        "--rounds",
+        str(ROUNDS),
+        "--inner-steps",
+        "8",
+        "--min-quorum",
+        "1",
+        "--speed",
+        "south=0.33",
+        "--json",
     ]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -39,8 +53,11 @@ def finished_run(islands_stack):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     s3 = boto3.client(
-        "s3", endpoint_url=s.s3_url, region_name="us-east-1",
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        "s3",
+        endpoint_url=s.s3_url,
+        region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
     )
     return summary, s3, wall
 

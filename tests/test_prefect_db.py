@@ -7,10 +7,10 @@ import sqlite3
 from contextlib import closing
 
 import pytest
+from served_stack import Api
 
 from infra import prefect_db
 from infra.prefect_server import PrefectServer
-from served_stack import Api
 
 
 def make_db(path, rows=()):

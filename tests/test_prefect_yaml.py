@@ -14,9 +14,9 @@ from pathlib import Path
 import prefect
 import pytest
 import yaml
+from served_stack import Api
 
 from infra.prefect_server import PrefectServer
-from served_stack import Api
 
 INFRA = Path(__file__).resolve().parent.parent / "infra"
 TEMPLATE = INFRA / "k8s" / "base-job-template.json"
@@ -24,8 +24,14 @@ TEMPLATE = INFRA / "k8s" / "base-job-template.json"
 
 def prefect_cli_env(api_url: str, home: Path) -> dict:
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home), "PYTHON": sys.executable,
-            "PATH": f"{bin_dir}:{os.environ['PATH']}", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return {
+        **os.environ,
+        "PREFECT_API_URL": api_url,
+        "PREFECT_HOME": str(home),
+        "PYTHON": sys.executable,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,9 @@ def applied(tmp_path_factory):
     server.start({**os.environ, "PREFECT_HOME": str(home / "server")})
     try:
         env = prefect_cli_env(server.api_url, home / "cli")
-        done = subprocess.run([str(INFRA / "apply.sh"), "process"], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [str(INFRA / "apply.sh"), "process"], env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         yield Api(server.api_url), env
     finally:
@@ -50,8 +58,12 @@ def test_every_pool_and_deployment_of_the_file_exists(applied):
     assert pools == {"islands-synchronizer", "islands-us-east", "islands-eu-west"} <= set(found)
     assert {found[p]["type"] for p in pools} == {"process"}
 
-    deps = {f"{flow}/{d['name']}": d for flow, d in
-            ((api.call("GET", f"/flows/{d['flow_id']}")["name"], d) for d in api.call("POST", "/deployments/filter", {}))}
+    deps = {
+        f"{flow}/{d['name']}": d
+        for flow, d in (
+            (api.call("GET", f"/flows/{d['flow_id']}")["name"], d) for d in api.call("POST", "/deployments/filter", {})
+        )
+    }
     assert set(deps) == {"training-run/synchronizer", "outer-round/synchronizer", "learner/us-east", "learner/eu-west"}
     for region in ("us-east", "eu-west"):
         learner = deps[f"learner/{region}"]
@@ -67,8 +79,19 @@ def test_every_pool_and_deployment_of_the_file_exists(applied):
 
 def test_a_kubernetes_pool_takes_the_job_template(applied):
     api, env = applied
-    cmd = [sys.executable, "-m", "prefect", "--no-prompt", "work-pool", "create", "islands-k8s-check",
-           "--type", "kubernetes", "--base-job-template", str(TEMPLATE)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "--no-prompt",
+        "work-pool",
+        "create",
+        "islands-k8s-check",
+        "--type",
+        "kubernetes",
+        "--base-job-template",
+        str(TEMPLATE),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     pool = api.call("GET", "/work_pools/islands-k8s-check")
@@ -84,7 +107,9 @@ def test_the_kubernetes_template_has_what_the_worker_expects():
     manifest = template["job_configuration"]["job_manifest"]
     assert (manifest["apiVersion"], manifest["kind"]) == ("batch/v1", "Job")
     container = manifest["spec"]["template"]["spec"]["containers"][0]
-    assert container["name"] == "prefect-job" and container["args"] == "{{ command }}" and container["env"] == "{{ env }}"
+    assert (
+        container["name"] == "prefect-job" and container["args"] == "{{ command }}" and container["env"] == "{{ env }}"
+    )
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
     assert container["envFrom"] == [{"secretRef": {"name": "{{ s3_secret }}"}}]
     # Every placeholder is a declared variable, with a type the UI can render.

@@ -12,7 +12,9 @@ START = 1000.0  # the round opens; its deadline is 1300
 
 def history(**expected_phase):
     """learner=(last_arrival, [phase seconds])."""
-    return {name: LearnerHistory(phase_seconds=list(s), last_arrival=last) for name, (last, s) in expected_phase.items()}
+    return {
+        name: LearnerHistory(phase_seconds=list(s), last_arrival=last) for name, (last, s) in expected_phase.items()
+    }
 
 
 def at(now, arrived, hist=None, policy=POLICY, listing_s=0.0):
@@ -33,7 +35,9 @@ def test_a_learner_is_waited_for_one_listing_period_past_its_expected_arrival():
     listed = POLICY
     hist = history(c=(1020.0, [100.0, 110.0]))
     arrived = {"a": 1100.0, "b": 1110.0}
-    assert at(1110.0, arrived, hist, listed, 2.0) == Decision(close=False, reason=None, recheck_at=1127.0, waiting_for=("c",))
+    assert at(1110.0, arrived, hist, listed, 2.0) == Decision(
+        close=False, reason=None, recheck_at=1127.0, waiting_for=("c",)
+    )
     assert at(1126.0, arrived, hist, listed, 2.0).close is False
     assert at(1127.0, arrived, hist, listed, 2.0).reason == "quorum+grace"
     # Past the grace cap too: a learner expected right at the cap (1140) is still waited for 2 s.
@@ -54,7 +58,9 @@ def test_all_in_at_max_quorum():
 
 
 def test_before_quorum_waits_for_everyone_until_the_deadline():
-    assert at(1050.0, {"a": 1050.0}) == Decision(close=False, reason=None, recheck_at=1300.0, waiting_for=("b", "c", "d"))
+    assert at(1050.0, {"a": 1050.0}) == Decision(
+        close=False, reason=None, recheck_at=1300.0, waiting_for=("b", "c", "d")
+    )
 
 
 def test_grace_waits_for_a_learner_expected_soon_and_closes_when_it_arrives():
@@ -82,7 +88,9 @@ def test_the_grace_is_capped_by_a_fraction_of_the_typical_phase():
     assert at(1110.0, arrived, hist).waiting_for == ("c", "d")
     half = QuorumSettings(min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=300.0, grace_fraction=0.5)
     assert grace_s(half, hist) == 5.0  # the median phase is 10 s
-    assert at(1110.0, arrived, hist, policy=half) == Decision(close=False, reason=None, recheck_at=1111.0, waiting_for=("c",))
+    assert at(1110.0, arrived, hist, policy=half) == Decision(
+        close=False, reason=None, recheck_at=1111.0, waiting_for=("c",)
+    )
     assert at(1111.0, arrived, hist, policy=half).close is True
     assert grace_s(half, {}) == 30.0  # no history yet: the fixed cap
 
@@ -122,7 +130,9 @@ def test_timeout_with_no_arrivals():
 
 
 def test_deadline_cuts_the_grace_window_short():
-    short = QuorumSettings(min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=120.0, grace_fraction=None)  # deadline 1120
+    short = QuorumSettings(
+        min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=120.0, grace_fraction=None
+    )  # deadline 1120
     hist = history(c=(1020.0, [105.0]))  # expected 1125
     arrived = {"a": 1100.0, "b": 1110.0}
     assert at(1111.0, arrived, hist, short) == Decision(close=False, reason=None, recheck_at=1120.0, waiting_for=("c",))
@@ -152,9 +162,23 @@ def test_a_negative_listing_period_is_refused():
 
 
 def merged(phase: int, finished_at: float, seen_at: float | None) -> Contribution:
-    return Contribution(learner="a-0", region="a", phase=phase, base_round=0, staleness=0, tokens=1, tokens_counted=1,
-                        weight=1.0, loss=1.0, bytes=1, key=f"k{phase}", sha256="ab" * 32, finished_at=finished_at,
-                        seconds=3.0, seen_at=seen_at)
+    return Contribution(
+        learner="a-0",
+        region="a",
+        phase=phase,
+        base_round=0,
+        staleness=0,
+        tokens=1,
+        tokens_counted=1,
+        weight=1.0,
+        loss=1.0,
+        bytes=1,
+        key=f"k{phase}",
+        sha256="ab" * 32,
+        finished_at=finished_at,
+        seconds=3.0,
+        seen_at=seen_at,
+    )
 
 
 def test_a_learners_cycle_and_lag_come_from_its_merged_deltas():
@@ -189,5 +213,7 @@ def test_a_learner_whose_last_delta_missed_a_round_is_waited_for_in_the_next():
     fresh = {"a": 1102.5, "b": 1103.0}
     assert at(1103.0, fresh, merged, policy, 0.5).reason == "quorum+grace"
     seen = {"c": merged["c"].seen(1100.0, 3.5)}
-    assert at(1103.0, fresh, seen, policy, 0.5) == Decision(close=False, reason=None, recheck_at=1104.0, waiting_for=("c",))
+    assert at(1103.0, fresh, seen, policy, 0.5) == Decision(
+        close=False, reason=None, recheck_at=1104.0, waiting_for=("c",)
+    )
     assert at(1104.0, fresh, seen, policy, 0.5).reason == "quorum+grace"

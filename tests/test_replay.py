@@ -22,8 +22,12 @@ def test_equal_learners_and_no_latency_replay_synchronous_diloco_exactly():
     sync = sync_diloco(BUDGET, 0, 2, RULE, on_round=lambda r, theta: sync_rounds.append((r, theta)))
     for behaviour in ({}, {"carry": True}, {"carry": True, "catch_up": True, "paced": True}):
         rounds = []
-        theta, facts = replay(BUDGET, Schedule(2, speeds=(1, 1, 1, 1), publish_s=0.0, **behaviour), RULE,
-                              on_round=lambda r, theta: rounds.append((r, theta)))
+        theta, facts = replay(
+            BUDGET,
+            Schedule(2, speeds=(1, 1, 1, 1), publish_s=0.0, **behaviour),
+            RULE,
+            on_round=lambda r, theta: rounds.append((r, theta)),
+        )
         assert facts["rounds"] == 2 and facts["deltas_per_round"] == 4 and facts["mean_staleness"] == 0
         assert all(torch.equal(theta[n], sync[n]) for n in sync)
         assert [r for r, _ in rounds] == [r for r, _ in sync_rounds] == [1, 2]  # every round, seen as published

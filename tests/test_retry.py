@@ -12,20 +12,22 @@ import subprocess
 import sys
 import time
 
+from fake_learner import delta_bytes, new_run, put
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Scheduled
 
-from fake_learner import delta_bytes, new_run, put
+from flows.audit import audit_run
 from flows.cli import wait_for_learner_deployment
 from infra.process import stop_group
 from storage import layout
 from storage.rounds import read_manifest
-from flows.audit import audit_run
 
 RUN = "retry-run"
 DEPLOYMENT = "outer-round/retry-test"
-RUNNER = "from flows.outer_round import outer_round\nouter_round.serve(name='retry-test', print_starting_message=False)\n"
+RUNNER = (
+    "from flows.outer_round import outer_round\nouter_round.serve(name='retry-test', print_starting_message=False)\n"
+)
 
 
 def wait_final(flow_run_id, timeout_s: float = 180.0):
@@ -42,8 +44,13 @@ def wait_final(flow_run_id, timeout_s: float = 180.0):
 def test_retrying_the_failed_flow_run_finishes_the_round_from_storage(on_stack, tmp_path):
     config, stores = new_run(RUN, min_quorum=2, round_timeout_s=2.0)
     log = open(tmp_path / "runner.log", "w")
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER], env={**os.environ, **on_stack, "PREFECT_RUNNER_POLL_FREQUENCY": "1"},
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    runner = subprocess.Popen(
+        [sys.executable, "-c", RUNNER],
+        env={**os.environ, **on_stack, "PREFECT_RUNNER_POLL_FREQUENCY": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_for_learner_deployment(DEPLOYMENT, timeout_s=120.0)
         first = run_deployment(DEPLOYMENT, parameters={"run_id": RUN, "round": 1, "store": stores.template}, timeout=0)
@@ -53,8 +60,10 @@ def test_retrying_the_failed_flow_run_finishes_the_round_from_storage(on_stack, 
         assert "nothing arrived; if the learners are running, quorum.round_timeout_s" in failed.state.message
         assert not stores.global_.exists(layout.manifest_key(RUN, 1))
 
-        keys = [put(config, stores, learner, 0, delta_bytes(config, stores, learner, 0, 0, seed=i))
-                for i, learner in enumerate(["north-0", "south-0"])]
+        keys = [
+            put(config, stores, learner, 0, delta_bytes(config, stores, learner, 0, 0, seed=i))
+            for i, learner in enumerate(["north-0", "south-0"])
+        ]
         with get_client(sync_client=True) as c:
             c.set_flow_run_state(first.id, Scheduled(message="retried by the test"), force=True)
         done = wait_final(first.id)

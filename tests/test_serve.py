@@ -12,7 +12,6 @@ import time
 import urllib.error
 
 import pytest
-
 from served_stack import islands, served_stack
 
 INTERVAL_S = 10
@@ -80,7 +79,9 @@ def test_a_scheduled_run_leaves_its_artifacts(served, scheduled_run):
     run, _ = scheduled_run
     run_id = next(p.name for p in (files / "global" / "runs").iterdir())
     found = api.artifacts(run_id)
-    assert {f"{run_id}-round-001", f"{run_id}-round-001-manifest", f"{run_id}-progress", f"{run_id}-report"} <= set(found)
+    assert {f"{run_id}-round-001", f"{run_id}-round-001-manifest", f"{run_id}-progress", f"{run_id}-report"} <= set(
+        found
+    )
     table = json.loads(found[f"{run_id}-round-001"]["data"])
     # The learner never waits, so a second 4-step phase may be in before the round closes.
     assert table and all(row["learner"] == "solo-0" and row["status"] == "merged" for row in table)
@@ -166,8 +167,13 @@ def test_served_flow_runs_are_forks_of_a_process_that_imported_the_flows(tmp_pat
     as a reference, so its parameters' types still resolve in the fork."""
     (tmp_path / "probe.py").write_text(PROBE)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", FORKS], env={**os.environ, "PYTHONPATH": path},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", FORKS],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["True", "['flows.training_run', 'prefect', 'torch']", "True RunConfig"]
 

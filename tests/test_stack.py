@@ -34,8 +34,7 @@ def test_buckets_exist_and_objects_round_trip(stack):
     s3 = client(stack.s3_url)
     names = {b["Name"] for b in s3.list_buckets()["Buckets"]}
     assert set(BUCKETS) <= names
-    s3.put_object(Bucket="islands-global", Key="runs/demo/rounds/000000/model.safetensors",
-                  Body=b"weights")
+    s3.put_object(Bucket="islands-global", Key="runs/demo/rounds/000000/model.safetensors", Body=b"weights")
     body = s3.get_object(Bucket="islands-global", Key="runs/demo/rounds/000000/model.safetensors")
     assert body["Body"].read() == b"weights"
 
@@ -58,15 +57,13 @@ def test_env_points_at_the_stack(stack, data_dir):
 
 def test_find_running_sees_the_recorded_stack(stack, data_dir):
     found = find_running(data_dir)
-    assert found == {"pid": os.getpid(), "s3_url": stack.s3_url,
-                     "api_url": stack.api_url, "ui_url": stack.ui_url}
+    assert found == {"pid": os.getpid(), "s3_url": stack.s3_url, "api_url": stack.api_url, "ui_url": stack.ui_url}
 
 
 def test_find_running_removes_a_stale_record(tmp_path):
     state = tmp_path / "stack.json"
     dead = "http://127.0.0.1:1"
-    state.write_text(json.dumps({"pid": 2**22 + 1, "s3_url": dead,
-                                 "api_url": dead + "/api", "ui_url": dead}))
+    state.write_text(json.dumps({"pid": 2**22 + 1, "s3_url": dead, "api_url": dead + "/api", "ui_url": dead}))
     assert find_running(tmp_path) is None
     assert not state.exists()
 

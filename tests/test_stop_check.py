@@ -1,10 +1,10 @@
 """A learner asks storage whether to stop on its training thread, before every step and every
 phase; the asks are rate-limited so they cost two requests every few seconds, not every step."""
 
-from tasks.core.config import RunConfig
 from storage import layout
 from storage.store import Stores
 from tasks import train_phase
+from tasks.core.config import RunConfig
 from tasks.train_phase import STOP_CHECK_S, LearnerSession
 
 RUN = "stop-check-run"
@@ -15,7 +15,9 @@ def test_storage_is_asked_at_most_every_few_seconds_and_a_stop_stays(monkeypatch
     stores = Stores("memory://stop-check-{bucket}", config.regions)
     session = LearnerSession.open(config, RUN, "north-0", stores)
     asked = []
-    monkeypatch.setattr(train_phase, "stop_requested", lambda store, run: asked.append(run) or store.exists(layout.stop_key(run)))
+    monkeypatch.setattr(
+        train_phase, "stop_requested", lambda store, run: asked.append(run) or store.exists(layout.stop_key(run))
+    )
 
     assert not session.must_stop() and len(asked) == 1  # the first ask goes to storage
     stores.global_.put_if_absent(layout.stop_key(RUN), b"{}")

@@ -46,6 +46,7 @@ def store(store_url):
 
 # -- writes -------------------------------------------------------------------------------------
 
+
 def test_put_if_absent_writes_once_and_keeps_the_first_bytes(store):
     assert store.put_if_absent("runs/r/config.json", b"first") is True
     assert store.put_if_absent("runs/r/config.json", b"second, longer") is False
@@ -90,8 +91,12 @@ def test_a_streamed_put_names_its_sha256_and_is_read_for_no_other_checksum(s3_bu
     monkeypatch.setattr(encoded_module._Reader, "readinto", counted)
     fsspec.asyn.sync(store.fs.loop, store.fs.set_session)
     client = fsspec.asyn.sync(store.fs.loop, store.fs.get_s3, s3_bucket)
-    client.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(
-        {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+    client.meta.events.register(
+        "before-send.s3.PutObject",
+        lambda request, **_: sent.append(
+            {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+        ),
+    )
     assert store.put_if_absent("streamed", EncodedObject((data,), sha256_hex(data))) is True
     assert sum(read) == 2 * len(data)
     assert [h.get("x-amz-checksum-sha256") for h in sent] == [base64.b64encode(hashlib.sha256(data).digest()).decode()]
@@ -120,6 +125,7 @@ def test_delete_removes_an_object(store):
 
 
 # -- reads --------------------------------------------------------------------------------------
+
 
 def test_get_checks_sha256(store):
     data = b"the bytes that were named"
@@ -274,6 +280,7 @@ def test_file_list_ignores_unfinished_temporary_files(tmp_path):
 
 # s3fs caches listings; a later HEAD or GET must still see what other processes wrote since.
 
+
 def test_s3_get_after_a_list_sees_an_object_another_process_wrote(s3_endpoint, s3_bucket):
     store = ObjectStore(f"s3://{s3_bucket}")
     store.put_if_absent("runs/r/a", b"1")
@@ -312,6 +319,7 @@ def test_s3_get_without_an_earlier_list_sees_an_object_another_process_wrote(s3_
 
 
 # -- racing writers -----------------------------------------------------------------------------
+
 
 def test_eight_threads_racing_on_one_key_exactly_one_wins(store_url):
     n = 8
@@ -374,6 +382,7 @@ def test_four_processes_racing_on_one_key_exactly_one_wins(store_url):
 
 # -- reachability -------------------------------------------------------------------------------
 
+
 def test_check_reachable_existing_bucket(s3_bucket):
     ObjectStore(f"s3://{s3_bucket}").check_reachable()
 
@@ -427,6 +436,7 @@ def closed_port():
 
 # -- counters -----------------------------------------------------------------------------------
 
+
 def test_io_counters_count_bytes_and_are_shared_per_url(store_url):
     a = ObjectStore(store_url)
     b = ObjectStore(store_url + "/")
@@ -454,6 +464,7 @@ def test_io_counters_lose_no_count_when_threads_read_one_bucket(tmp_path):
 
 # -- templates ----------------------------------------------------------------------------------
 
+
 def test_bucket_url_and_stores(tmp_path):
     assert bucket_url("s3://islands-{bucket}", "eu-west") == "s3://islands-eu-west"
     with pytest.raises(ValueError, match=r"\{bucket\}"):
@@ -465,6 +476,7 @@ def test_bucket_url_and_stores(tmp_path):
 
 
 # -- memory:// (unit tests of pure logic only) -------------------------------------------------
+
 
 def test_memory_store_smoke():
     store = ObjectStore(f"memory://islands-test-{uuid.uuid4().hex[:8]}")
@@ -483,7 +495,9 @@ def test_list_after_a_key_returns_only_the_keys_sorting_after_it(store_url):
         for p in range(4):
             store.put_if_absent(layout.delta_key("r", "x", p), b"d" * p)
         assert store.list(layout.learner_deltas_prefix("r", "x"), start_after=layout.delta_key("r", "x", 1)) == {
-            layout.delta_key("r", "x", 2): 2, layout.delta_key("r", "x", 3): 3}
+            layout.delta_key("r", "x", 2): 2,
+            layout.delta_key("r", "x", 3): 3,
+        }
         assert store.list("runs/r/", start_after=layout.delta_key("r", "x", 3)) == {}
 
 
@@ -517,4 +531,4 @@ def test_spool_hashes_the_object_and_its_body_across_many_chunks(store, tmp_path
     assert (tmp_path / "copy").read_bytes() == data
     assert got.bytes == len(data)
     assert got.sha256 == sha256_hex(data)
-    assert got.body_sha256 == sha256_hex(data[8 + len(header):])
+    assert got.body_sha256 == sha256_hex(data[8 + len(header) :])

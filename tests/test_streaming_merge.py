@@ -13,20 +13,20 @@ import weakref
 
 import torch
 
-from tasks.core.config import RunConfig
 from storage import layout
 from storage.codec import TensorFile, decode, encode, encode_state, encode_wire
 from storage.manifest import Excluded
 from storage.rounds import checkpoint_metadata, get_tensors, put_tensors, update_metadata
+from storage.spool import remove_dead
 from storage.store import Stores, sha256_hex
 from tasks.collect import Arrival, inspect, inspect_all
 from tasks.core.compress import residual_state, to_wire
+from tasks.core.config import RunConfig
 from tasks.core.merge import encode_update, merge_round
-from tasks.merge_step import Merged, apply_merge
 from tasks.core.model import build_model
+from tasks.merge_step import Merged, apply_merge
 from tasks.publish import write_objects
 from tasks.round_state import RoundState
-from storage.spool import remove_dead
 
 RUN = "stream"
 REGIONS = ["east", "west"]
@@ -42,8 +42,18 @@ def params(seed: int, scale: float) -> dict[str, torch.Tensor]:
 
 
 def meta(learner: str, region: str, phase: int = 0, tokens: int = 1000) -> dict:
-    return {"run": RUN, "learner": learner, "region": region, "phase": phase, "base_round": 0, "inner_steps": 5,
-            "tokens": tokens, "loss": 2.5, "seconds": 1.0, "finished_at": time.time()}
+    return {
+        "run": RUN,
+        "learner": learner,
+        "region": region,
+        "phase": phase,
+        "base_round": 0,
+        "inner_steps": 5,
+        "tokens": tokens,
+        "loss": 2.5,
+        "seconds": 1.0,
+        "finished_at": time.time(),
+    }
 
 
 def round_state(tmp_path, k: int, codec: str = "fp32"):
@@ -71,8 +81,11 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
 
         by_learner = {a.learner: decode(written[(a.region, a.key)])[0] for a in arrivals}
         target, want_momentum = merge_round(
-            parent_model, parent_momentum, [by_learner[w.candidate.learner] for w in weighted],
-            [w.weight for w in weighted], state.config.merge,
+            parent_model,
+            parent_momentum,
+            [by_learner[w.candidate.learner] for w in weighted],
+            [w.weight for w in weighted],
+            state.config.merge,
         )
         want_update, want_model, want_residual = encode_update(parent_model, target, {}, state.config.update_codec)
         for name in want_model:
@@ -118,8 +131,11 @@ def test_the_rounds_three_objects_go_up_side_by_side_as_merged(tmp_path, monkeyp
     refs = write_objects(state, Merged(model, model_object, update, outer, [], []))
     for ref, obj in zip(refs, (model_object, update, outer)):
         assert ref.sha256 == obj.sha256 and store.get(ref.key, sha256=obj.sha256) == obj.read_bytes()
-    assert [ref.key for ref in refs] == [layout.model_key(RUN, 1, model_object.sha256),
-                                         layout.update_key(RUN, 1, update.sha256), layout.outer_key(RUN, 1, outer.sha256)]
+    assert [ref.key for ref in refs] == [
+        layout.model_key(RUN, 1, model_object.sha256),
+        layout.update_key(RUN, 1, update.sha256),
+        layout.outer_key(RUN, 1, outer.sha256),
+    ]
     state.drop_spool()
 
 
@@ -133,7 +149,10 @@ def _hostile() -> dict[str, tuple[bytes, str]]:
     """Objects for east-0 phases 1…: bytes and the quarantine reason each must get."""
     honest = params(20, 1e-3)
     name = sorted(honest)[0]
-    good = lambda phase, tensors=honest, codec="fp32", **m: encode(tensors, {**meta("east-0", "east", phase), **m}, codec)  # noqa: E731
+
+    def good(phase, tensors=honest, codec="fp32", **m):
+        return encode(tensors, {**meta("east-0", "east", phase), **m}, codec)
+
     int8 = good(6, codec="int8")
     wire = to_wire(honest, "int8")
     short_scale = encode_wire({**wire, name + ".scale": torch.ones(1)}, meta("east-0", "east", 7), "int8")

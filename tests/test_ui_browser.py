@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from infra.s3_server import client
 from cdp import Browser
 from served_stack import islands, served_stack
+
+from infra.s3_server import client
 
 CHROMIUM = Path("/usr/bin/chromium")
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -68,8 +68,13 @@ def watching(served, tmp_path_factory):
     _, env, _ = served
     log = tmp_path_factory.mktemp("watch") / "stderr.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "status", RUN, "--json", "--watch", "1"], env=env,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "status", RUN, "--json", "--watch", "1"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     deadline = time.monotonic() + 180
     while "waiting" not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -85,8 +90,14 @@ def ui_run(served, watching):
     _, _, api = served
     dep = api.deployment("training-run/local")
     config = {
-        **dep["parameters"]["config"], "run_id": RUN, "regions": ["fresh"], "speed": {}, "rounds": 2,
-        "inner_steps": 8, "eval_batches": 2, "quorum": {**dep["parameters"]["config"]["quorum"], "min_quorum": 1},
+        **dep["parameters"]["config"],
+        "run_id": RUN,
+        "regions": ["fresh"],
+        "speed": {},
+        "rounds": 2,
+        "inner_steps": 8,
+        "eval_batches": 2,
+        "quorum": {**dep["parameters"]["config"]["quorum"], "min_quorum": 1},
     }
     return api.call("POST", f"/deployments/{dep['id']}/create_flow_run", {"parameters": {"config": config}})
 
@@ -125,7 +136,9 @@ def test_status_after_the_run_finished(served, finished):
     _, env, _ = served
     seen = status(env)
     assert seen["state"] == "finished" and [r["round"] for r in seen["rounds"]] == [1, 2]
-    assert seen["learners"] == [{**seen["learners"][0], "learner": "fresh-0", "status": "done", "flow_run": "COMPLETED"}]
+    assert seen["learners"] == [
+        {**seen["learners"][0], "learner": "fresh-0", "status": "done", "flow_run": "COMPLETED"}
+    ]
     assert seen["eval_loss"] == seen["rounds"][-1]["eval_loss"]
     text = islands(env, "status", RUN).stdout
     assert f"{RUN}: finished, 2/2 rounds published" in text and "fresh-0" in text

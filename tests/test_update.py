@@ -85,7 +85,10 @@ def test_the_residual_survives_a_reload_of_the_outer_state():
         straight.append((sha256_hex(update_bytes), model_sha(params, r)))
         if r == 3:
             outer = encode_state({**momentum, **residual_state(residual)}, checkpoint_metadata(RUN, r))
-            resumed = (decode_state(encode_state(params, checkpoint_metadata(RUN, r))), *split_residual(decode_state(outer)))
+            resumed = (
+                decode_state(encode_state(params, checkpoint_metadata(RUN, r))),
+                *split_residual(decode_state(outer)),
+            )
     params, momentum, residual = resumed
     assert set(residual) == set(momentum) == set(params)
     for r in range(4, ROUNDS + 1):
@@ -96,11 +99,24 @@ def test_the_residual_survives_a_reload_of_the_outer_state():
 def test_a_manifest_without_an_update_still_reads():
     """Manifests written before updates were published have no `update` field."""
     old = {
-        "schema_version": 1, "run": RUN, "round": 0, "parent_round": None, "parent_sha256": None,
-        "created_at": "2026-01-01T00:00:00.000+00:00", "model": {"key": "k", "sha256": "0" * 64, "bytes": 1},
-        "outer": None, "quorum": {"min_quorum": 1, "max_quorum": 1, "received": 0, "learners": [], "waited_s": 0.0,
-                                  "closed_by": "initial"},
-        "hyper": {}, "eval_loss": 5.0,
+        "schema_version": 1,
+        "run": RUN,
+        "round": 0,
+        "parent_round": None,
+        "parent_sha256": None,
+        "created_at": "2026-01-01T00:00:00.000+00:00",
+        "model": {"key": "k", "sha256": "0" * 64, "bytes": 1},
+        "outer": None,
+        "quorum": {
+            "min_quorum": 1,
+            "max_quorum": 1,
+            "received": 0,
+            "learners": [],
+            "waited_s": 0.0,
+            "closed_by": "initial",
+        },
+        "hyper": {},
+        "eval_loss": 5.0,
     }
     assert Manifest.from_bytes(json.dumps(old).encode()).update is None
 

@@ -5,14 +5,30 @@ import math
 import pytest
 import torch
 
-from tasks.core.validate import REQUIRED_METADATA, check_metadata, check_tensor, check_tensors, global_norm, norm_outliers
+from tasks.core.validate import (
+    REQUIRED_METADATA,
+    check_metadata,
+    check_tensor,
+    check_tensors,
+    global_norm,
+    norm_outliers,
+)
 
 RUN, LEARNER, PHASE, ROUND = "run-abc", "us-east-0", 4, 7
 
 
 def meta(**changes) -> dict[str, str]:
-    base = {"run": RUN, "learner": LEARNER, "region": "us-east", "phase": str(PHASE), "base_round": "6",
-            "inner_steps": "50", "tokens": "102400", "loss": "2.5", "codec": "fp32"}
+    base = {
+        "run": RUN,
+        "learner": LEARNER,
+        "region": "us-east",
+        "phase": str(PHASE),
+        "base_round": "6",
+        "inner_steps": "50",
+        "tokens": "102400",
+        "loss": "2.5",
+        "codec": "fp32",
+    }
     base.update(changes)
     return {k: v for k, v in base.items() if v is not None}
 
@@ -22,6 +38,7 @@ def check(m: dict[str, str]) -> str | None:
 
 
 # -- metadata -----------------------------------------------------------------------------------
+
 
 def test_good_metadata_passes():
     assert check(meta()) is None
@@ -56,8 +73,9 @@ def test_future_base_round():
     assert reason == f"base round {ROUND + 1} is from the future (newest published round is {ROUND})"
 
 
-@pytest.mark.parametrize("field,value", [("phase", "four"), ("base_round", "6.0"), ("inner_steps", ""),
-                                         ("tokens", "1e5"), ("loss", "low")])
+@pytest.mark.parametrize(
+    "field,value", [("phase", "four"), ("base_round", "6.0"), ("inner_steps", ""), ("tokens", "1e5"), ("loss", "low")]
+)
 def test_non_numeric(field, value):
     assert check(meta(**{field: value})) == "metadata not numeric where it must be"
 
@@ -73,6 +91,7 @@ def test_non_finite_loss(loss):
 
 
 # -- tensors ------------------------------------------------------------------------------------
+
 
 def reference() -> dict[str, torch.Tensor]:
     return {"wte.weight": torch.zeros(10, 4), "ln_f.weight": torch.zeros(4), "head.weight": torch.zeros(3, 4)}
@@ -125,6 +144,7 @@ def test_huge_finite_values_are_not_called_non_finite():
 
 
 # -- norms --------------------------------------------------------------------------------------
+
 
 def test_global_norm():
     assert global_norm([3.0, 4.0]) == 5.0

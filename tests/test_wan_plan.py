@@ -39,8 +39,18 @@ def test_ring_all_reduce_bytes():
 
 def test_hand_worked_case():
     # 1e9 params, 1 s steps, K=2, u=0.5 (slack 1 s per s), no backward overlap.
-    w = Workload(params=1e9, step_s=1.0, inner_steps=10, replicas=2, utilization=0.5, backward_share=0.0,
-                 grad_bits=16, delta_bits=4, checkpoint_bits=4, overlap_steps=0)
+    w = Workload(
+        params=1e9,
+        step_s=1.0,
+        inner_steps=10,
+        replicas=2,
+        utilization=0.5,
+        backward_share=0.0,
+        grad_bits=16,
+        delta_bits=4,
+        checkpoint_bits=4,
+        overlap_steps=0,
+    )
     assert data_parallel_gbps(w) == pytest.approx(16.0)  # 2 GB = 16 Gbit each step, 1 s to hide it
     assert diloco_gbps(w) == pytest.approx(1.6)  # the same every 10 steps
     assert decoupled_gbps(w) == pytest.approx(0.8)  # 0.5 + 0.5 GB per phase, 10 s of slack

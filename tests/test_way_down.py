@@ -6,15 +6,15 @@ read nothing from the global bucket but manifests. The round is published by the
 from __future__ import annotations
 
 import torch
-
 from fake_learner import delta_bytes, new_run, put
+
+from flows.audit import audit_run
 from flows.outer_round import outer_round
 from storage import layout
 from storage.codec import encode_state, packed
-from tasks import audit, compress
 from storage.rounds import checkpoint_metadata, read_manifest
 from storage.store import sha256_hex
-from flows.audit import audit_run
+from tasks import audit, compress
 from tasks.train_phase import HeldRound, LearnerSession
 
 RUN = "way-down-run"

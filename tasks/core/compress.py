@@ -186,12 +186,16 @@ def written_block(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: 
     fits_q = [b for b in DECODABLE_BLOCKS if q.dtype == want_dtype and q.dim() == 1 and q.numel() == want_numel[b]]
     if not fits_q:
         want = " or ".join(f"{want_numel[b]} (blocks of {b})" for b in DECODABLE_BLOCKS)
-        raise ValueError(f"integers must be {want} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}")
+        raise ValueError(
+            f"integers must be {want} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}"
+        )
     fits = [b for b in fits_q if scale.dim() == 1 and scale.numel() == n_blocks[b]]
     if scale.dtype not in SCALE_DTYPES or not fits:
         want = " or ".join(f"{n_blocks[b]} (blocks of {b})" for b in fits_q)
-        raise ValueError(f"scale must be {want} bfloat16 (or float32) values for shape {shape}, "
-                         f"got {scale.dtype} {tuple(scale.shape)}")
+        raise ValueError(
+            f"scale must be {want} bfloat16 (or float32) values for shape {shape}, "
+            f"got {scale.dtype} {tuple(scale.shape)}"
+        )
     return fits[0]
 
 
@@ -213,7 +217,9 @@ def quantized_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, to
             out[name] = t.to(FLOAT_WIRE[codec]).contiguous()
         else:
             if name.endswith(PARTS):
-                raise ValueError(f"tensor name {name!r} ends with a suffix the {codec} codec reserves ({', '.join(PARTS)})")
+                raise ValueError(
+                    f"tensor name {name!r} ends with a suffix the {codec} codec reserves ({', '.join(PARTS)})"
+                )
             out[name + ".q"], out[name + ".scale"] = quantize(t, BITS[codec])
             out[name + ".shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
     return out
@@ -262,8 +268,9 @@ def wire_plan(wire_floats: dict[str, bool], codec: str) -> dict[str, tuple[str, 
     return plan
 
 
-def decode_one(name: str, parts: dict[str, torch.Tensor], codec: str, shape_wanted: tuple[int, ...] | None = None
-               ) -> torch.Tensor:
+def decode_one(
+    name: str, parts: dict[str, torch.Tensor], codec: str, shape_wanted: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """One tensor back from its wire parts (by wire name, in `wire_plan`'s order): float32 when it
     is a float. With `shape_wanted`, coded integers declaring another shape are refused before
     they are inflated: deflate can make a small object declare a large tensor, and a reader of
@@ -334,5 +341,5 @@ def residual_state(residual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def split_residual(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the rest of a saved learner state, the residual it carried)."""
     rest = {k: v for k, v in state.items() if not k.startswith(RESIDUAL_PREFIX)}
-    residual = {k[len(RESIDUAL_PREFIX):]: v for k, v in state.items() if k.startswith(RESIDUAL_PREFIX)}
+    residual = {k[len(RESIDUAL_PREFIX) :]: v for k, v in state.items() if k.startswith(RESIDUAL_PREFIX)}
     return rest, residual

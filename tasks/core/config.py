@@ -45,10 +45,12 @@ class InnerSettings(_Section):
     batch_size: int = Field(16, gt=0, description="Sequences per inner step.")
 
     @model_validator(mode="after")
-    def _schedule(self) -> "InnerSettings":
+    def _schedule(self) -> InnerSettings:
         if self.total_steps < self.warmup_steps:
-            raise ValueError(f"total_steps: {self.total_steps} is shorter than warmup_steps {self.warmup_steps}; "
-                             "the cosine must start after the warm-up")
+            raise ValueError(
+                f"total_steps: {self.total_steps} is shorter than warmup_steps {self.warmup_steps}; "
+                "the cosine must start after the warm-up"
+            )
         return self
 
 
@@ -67,20 +69,32 @@ class MergeSettings(_Section):
 class QuorumSettings(_Section):
     """When an outer round stops collecting."""
 
-    min_quorum: int = Field(2, ge=1, description="Q_min: learners with a fresh delta needed before the grace window opens.")
-    max_quorum: int | None = Field(None, ge=1, description="Q_max: close at once with this many (default: every learner).")
+    min_quorum: int = Field(
+        2, ge=1, description="Q_min: learners with a fresh delta needed before the grace window opens."
+    )
+    max_quorum: int | None = Field(
+        None, ge=1, description="Q_max: close at once with this many (default: every learner)."
+    )
     grace_max_s: float = Field(20.0, ge=0, description="Longest extra wait for learners expected soon after Q_min.")
     grace_fraction: float | None = Field(
-        0.5, ge=0, description="The grace is also at most this fraction of the median recent phase time (empty: grace_max_s alone)."
+        0.5,
+        ge=0,
+        description="The grace is also at most this fraction of the median recent phase time (empty: grace_max_s alone).",
     )
-    round_timeout_s: float = Field(600.0, gt=0, description="Hard deadline of a round, from its start (round 1's includes the learners' start-up); merge what arrived, or fail with none.")
+    round_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Hard deadline of a round, from its start (round 1's includes the learners' start-up); merge what arrived, or fail with none.",
+    )
     poll_s: float = Field(0.5, gt=0, description="How often the synchronizer lists the regional buckets.")
 
     @model_validator(mode="after")
-    def _bounds(self) -> "QuorumSettings":
+    def _bounds(self) -> QuorumSettings:
         if self.max_quorum is not None and self.max_quorum < self.min_quorum:
-            raise ValueError(f"max_quorum: must lie between min_quorum ({self.min_quorum}) and the number of learners, "
-                             f"got {self.max_quorum}")
+            raise ValueError(
+                f"max_quorum: must lie between min_quorum ({self.min_quorum}) and the number of learners, "
+                f"got {self.max_quorum}"
+            )
         return self
 
 
@@ -90,52 +104,74 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_id: str | None = Field(None, description="Run name (lowercase, digits, '-'); a fresh one when empty.")
-    regions: list[str] = Field(["us-east", "eu-west", "ap-south", "sa-east"], description="One bucket and work pool per region.")
+    regions: list[str] = Field(
+        ["us-east", "eu-west", "ap-south", "sa-east"], description="One bucket and work pool per region."
+    )
     learners_per_region: int = Field(1, ge=1, le=64, description="Learners in each region.")
-    rounds: int = Field(12, ge=1, description="Outer rounds to publish after round 0 (at most, with target_loss or token_budget).")
+    rounds: int = Field(
+        12, ge=1, description="Outer rounds to publish after round 0 (at most, with target_loss or token_budget)."
+    )
     target_loss: float | None = Field(
-        None, gt=0, description="Stop early once a published round's held-out eval loss is at most this (empty: run all the rounds)."
+        None,
+        gt=0,
+        description="Stop early once a published round's held-out eval loss is at most this (empty: run all the rounds).",
     )
     token_budget: int | None = Field(
-        None, gt=0, description="Stop early once the rounds have merged this many trained tokens into the global model (empty: no budget)."
+        None,
+        gt=0,
+        description="Stop early once the rounds have merged this many trained tokens into the global model (empty: no budget).",
     )
     inner_steps: int = Field(50, description="H: inner steps per phase between two deltas.")
     model: Literal["tiny", "small"] = Field("tiny", description="Model preset: tiny (~0.9M params) or small (~11M).")
-    corpus: str = Field("stdlib", description="fsspec URL or glob of the training text; 'stdlib' = Python's own sources.")
+    corpus: str = Field(
+        "stdlib", description="fsspec URL or glob of the training text; 'stdlib' = Python's own sources."
+    )
     seed: int = Field(0, description="Seed of the initial model and of every learner's data order.")
     speed: dict[str, float] = Field(
         DEMO_SPEED, description="Per-region compute speed (1 = full); a slower region really takes longer."
     )
     min_step_s: dict[str, float] = Field(
-        {}, description="Per-region floor on an inner step's wall time, in seconds, held over each phase: a learner that computes faster waits out the rest, and a step slowed by other processes is made up by shorter waits after it, so its rate stays capped whatever else the machine runs."
+        {},
+        description="Per-region floor on an inner step's wall time, in seconds, held over each phase: a learner that computes faster waits out the rest, and a step slowed by other processes is made up by shorter waits after it, so its rate stays capped whatever else the machine runs.",
     )
     codec: Literal["fp32", "bf16", "int8", "int4", "int3", "int2"] = Field(
         "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4/int3/int2 with one scale per 128 values."
     )
     update_codec: Literal["fp32", "bf16", "int8", "int4", "int3", "int2"] = Field(
-        "bf16", description="Wire format of the outer update published beside each checkpoint, which learners one round behind fetch instead of it."
+        "bf16",
+        description="Wire format of the outer update published beside each checkpoint, which learners one round behind fetch instead of it.",
     )
     store: str | None = Field(
-        None, description="Bucket URL template with {bucket}, e.g. s3://islands-{bucket}; empty = the embedded S3 endpoint."
+        None,
+        description="Bucket URL template with {bucket}, e.g. s3://islands-{bucket}; empty = the embedded S3 endpoint.",
     )
     learner_deployment: str = Field(
         "learner/local", description="Deployment that runs learners; '{region}' is replaced by the learner's region."
     )
-    learner_wait_s: float = Field(0.0, ge=0, description="Longest a learner waits for a newer round before training on (0: never).")
-    rebase: bool = Field(True, description="Fold a round published mid-phase into the phase in progress (fresher deltas, no waiting).")
+    learner_wait_s: float = Field(
+        0.0, ge=0, description="Longest a learner waits for a newer round before training on (0: never)."
+    )
+    rebase: bool = Field(
+        True, description="Fold a round published mid-phase into the phase in progress (fresher deltas, no waiting)."
+    )
     lr_catch_up: bool = Field(
-        True, description="Start each phase at the learners' average progress in the inner learning-rate schedule, so a slow learner anneals with the others and a fast one does not anneal early."
+        True,
+        description="Start each phase at the learners' average progress in the inner learning-rate schedule, so a slow learner anneals with the others and a fast one does not anneal early.",
     )
     carry: bool = Field(
-        True, description="Start each phase from the learner's own weights, keeping its deltas no round has merged yet instead of retraining them."
+        True,
+        description="Start each phase from the learner's own weights, keeping its deltas no round has merged yet instead of retraining them.",
     )
     paced: bool = Field(
-        True, description="Scale a phase's inner steps to the learner's rate: H for the fastest learners, H × its rate / the fastest's for a slower one, so its phases end with theirs and its deltas come as often and as fresh."
+        True,
+        description="Scale a phase's inner steps to the learner's rate: H for the fastest learners, H × its rate / the fastest's for a slower one, so its phases end with theirs and its deltas come as often and as fresh.",
     )
     torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
     eval_batches: int = Field(16, gt=0, description="Held-out batches in each evaluation of a round's checkpoint.")
     eval_every: int = Field(
-        1, ge=0, description="Evaluate every N-th round's checkpoint on the held-out split, round 0 included, and the run's last round whatever N; 0: the last round only. The synchronizer evaluates between rounds, so rarer evaluations let the next round close sooner; target_loss is checked on the rounds evaluated."
+        1,
+        ge=0,
+        description="Evaluate every N-th round's checkpoint on the held-out split, round 0 included, and the run's last round whatever N; 0: the last round only. The synchronizer evaluates between rounds, so rarer evaluations let the next round close sooner; target_loss is checked on the rounds evaluated.",
     )
     inner: InnerSettings = InnerSettings()
     merge: MergeSettings = MergeSettings()
@@ -175,7 +211,7 @@ class RunConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self) -> RunConfig:
         n = self.num_learners
         for field, per_region in (("speed", self.speed), ("min_step_s", self.min_step_s)):
             unknown = sorted(set(per_region) - set(self.regions))
@@ -188,11 +224,15 @@ class RunConfig(BaseModel):
         if negative:
             raise ValueError(f"min_step_s: {negative} must be seconds >= 0")
         if self.quorum.min_quorum > n:
-            raise ValueError(f"quorum.min_quorum: {self.quorum.min_quorum} is more than the {n} learners; lower it or add learners")
+            raise ValueError(
+                f"quorum.min_quorum: {self.quorum.min_quorum} is more than the {n} learners; lower it or add learners"
+            )
         if self.quorum.max_quorum is not None and not self.quorum.min_quorum <= self.quorum.max_quorum <= n:
             raise ValueError(f"quorum.max_quorum: must lie between min_quorum and the {n} learners")
         if self.target_loss is not None and self.eval_every == 0:
-            raise ValueError("eval_every: 0 evaluates the last round only, so target_loss could never end the run; set eval_every >= 1")
+            raise ValueError(
+                "eval_every: 0 evaluates the last round only, so target_loss could never end the run; set eval_every >= 1"
+            )
         return self
 
     @property
@@ -229,7 +269,9 @@ class RunConfig(BaseModel):
     def evaluates(self, round_: int, tokens_applied: int) -> bool:
         """Whether round `round_`, with `tokens_applied` tokens merged so far, is evaluated once
         published: every eval_every-th round, and the one that ends the run."""
-        return (self.eval_every > 0 and round_ % self.eval_every == 0) or self.ended_by(round_, None, tokens_applied) is not None
+        return (self.eval_every > 0 and round_ % self.eval_every == 0) or self.ended_by(
+            round_, None, tokens_applied
+        ) is not None
 
     def ended_by(self, round_: int, eval_loss: float | None, tokens_applied: int) -> str | None:
         """Why the run is over once round `round_` is published with `eval_loss` (None: not

@@ -6,7 +6,7 @@ and restored, so a learner that restarts sees exactly the batches it would have 
 
 import torch
 
-from tasks.core.model import autocast_context
+from tasks.core.model import autocast_context, loss_of
 
 
 def split_held_out(data: bytes, fraction: float = 0.05) -> tuple[bytes, bytes]:
@@ -15,9 +15,7 @@ def split_held_out(data: bytes, fraction: float = 0.05) -> tuple[bytes, bytes]:
         raise ValueError(f"held-out fraction must be between 0 and 1 (exclusive), got {fraction}")
     cut = len(data) - int(len(data) * fraction)
     if cut == len(data) or cut == 0:
-        raise ValueError(
-            f"cannot hold out {fraction} of {len(data)} bytes: one side would be empty; use more data"
-        )
+        raise ValueError(f"cannot hold out {fraction} of {len(data)} bytes: one side would be empty; use more data")
     return data[:cut], data[cut:]
 
 
@@ -56,9 +54,7 @@ class BatchSampler:
         return self.batch_size * self.block_size
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(
-            len(self.data) - self.block_size, (self.batch_size,), generator=self.generator
-        )
+        starts = torch.randint(len(self.data) - self.block_size, (self.batch_size,), generator=self.generator)
         windows = self.data[starts[:, None] + self._window].long()
         self.draws += 1
         return windows[:, :-1], windows[:, 1:]
@@ -95,7 +91,7 @@ def evaluate(
         total = 0.0
         for x, y in batches:
             with autocast_context(device):
-                _, loss = model(x.to(device), y.to(device))
+                loss = loss_of(model(x.to(device), y.to(device)))
             total += loss.item()
     finally:
         model.train(was_training)

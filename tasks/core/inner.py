@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tasks.core.config import InnerSettings
 from tasks.core.data import BatchSampler
-from tasks.core.model import GPT, autocast_context
+from tasks.core.model import GPT, autocast_context, loss_of
 
 
 def _ddp_rank(batch_size: int) -> tuple[int, int]:
@@ -80,7 +80,8 @@ class InnerTrainer:
         # The module that trains: DDP all-reduces its gradients; self.model stays the plain GPT.
         self.net = (
             DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-            if ddp else self.model
+            if ddp
+            else self.model
         )
         self.sampler = sampler
         self.cfg = cfg
@@ -208,7 +209,7 @@ class InnerTrainer:
         if self.world_size > 1:
             x, y = x.chunk(self.world_size)[self.rank], y.chunk(self.world_size)[self.rank]
         with autocast_context(self.device):
-            _, loss = self.net(x.to(self.device), y.to(self.device))
+            loss = loss_of(self.net(x.to(self.device), y.to(self.device)))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:

@@ -43,9 +43,7 @@ class Dropped:
     reason: str
 
 
-def plan_merge(
-    round_: int, candidates: list[Candidate], rule: MergeSettings
-) -> tuple[list[Weighted], list[Dropped]]:
+def plan_merge(round_: int, candidates: list[Candidate], rule: MergeSettings) -> tuple[list[Weighted], list[Dropped]]:
     """Weigh each candidate by tokens / (1 + λ·staleness); drop the ones that cannot be merged.
 
     The token cap compares a claim with the other mergeable candidates only, so one inflated claim

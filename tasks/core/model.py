@@ -10,6 +10,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -71,6 +72,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Output(NamedTuple):
+    """What GPT.forward returns: unpacks as (logits, loss), and has `.loss` as transformers'
+    outputs do, so `loss_of` reads every model the same way."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -91,9 +100,7 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Output:
         T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -103,9 +110,9 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
-            return logits, None
+            return Output(logits, None)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
+        return Output(logits, loss)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -138,6 +145,18 @@ def _meta_gpt(config: GPTConfig) -> GPT:
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A model's weights as plain tensors of their own (`params_of(build_model(...))` is round 0)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def loss_of(output) -> torch.Tensor:
+    """The training loss from what a model's forward(input_ids, labels) returned: the scalar
+    itself, or an object holding it as `.loss` (GPT's Output, transformers' outputs)."""
+    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(
+            f"the model's forward(input_ids, labels) returned {type(output).__name__}, "
+            "not a scalar loss or an object with a scalar .loss"
+        )
+    return loss
 
 
 def autocast_context(device: torch.device):

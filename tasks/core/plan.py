@@ -114,17 +114,26 @@ def published_checks() -> list[Check]:
     implied_step = data_parallel_gbps(ref) / PAPER_DP_GBPS  # the step time (K=2) that gives 268.3
     return [
         Check(
-            "1T params x 2 bytes over 2 Gbps (s)", 8000.0, transfer_s(1e12 * 2, 2.0), 0.01,
+            "1T params x 2 bytes over 2 Gbps (s)",
+            8000.0,
+            transfer_s(1e12 * 2, 2.0),
+            0.01,
             "all inputs stated: bytes × 8 / bandwidth",
         ),
         Check(
-            "10B: data-parallel / DiLoCo bandwidth (H=100, 95% CU)", PAPER_DP_GBPS / PAPER_DILOCO_GBPS, ratio, 0.05,
+            "10B: data-parallel / DiLoCo bandwidth (H=100, 95% CU)",
+            PAPER_DP_GBPS / PAPER_DILOCO_GBPS,
+            ratio,
+            0.05,
             "independent of the unstated step time and replicas; assumes the all-reduce hides behind a "
             f"backward pass of {ref.backward_share:.2f} of a step. The absolute figures are not checked: "
             f"the step time is not stated ({implied_step:.2f} s with K=2 would give 268.3)",
         ),
         Check(
-            "10B: streaming FP4 with overlap (Gbit/s)", PAPER_STREAMING_FP4_GBPS, None, 0.05,
+            "10B: streaming FP4 with overlap (Gbit/s)",
+            PAPER_STREAMING_FP4_GBPS,
+            None,
+            0.05,
             "not reproducible from the stated inputs: it depends on the fragment count, the overlap "
             "window and the simulator's latency model, none of which the stated inputs give; no "
             "constant is fitted to make it match",
@@ -160,7 +169,9 @@ def check_lines() -> list[str]:
     lines = [f"{'figure':<55}{'published':>10}{'ours':>10}  holds"]
     for c in published_checks():
         ours = "n/a" if c.ours is None else f"{c.ours:.4g}"
-        holds = {True: f"yes (±{c.tolerance:.0%})", False: f"NO (±{c.tolerance:.0%})", None: "not reproducible"}[c.holds]
+        holds = {True: f"yes (±{c.tolerance:.0%})", False: f"NO (±{c.tolerance:.0%})", None: "not reproducible"}[
+            c.holds
+        ]
         lines.append(f"{c.figure:<55}{c.published:>10.4g}{ours:>10}  {holds}")
         lines.append(f"    {c.note}")
     return lines
