@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 from fake_learner import delta_bytes, new_run, put
 
+from flows import audit
 from flows.audit import audit_run
 from flows.outer_round import outer_round
 from storage import layout
 from storage.codec import encode_state, packed
 from storage.rounds import checkpoint_metadata, read_manifest
 from storage.store import sha256_hex
-from tasks import audit, compress
+from tasks.core import compress
 from tasks.train_phase import HeldRound, LearnerSession
 
 RUN = "way-down-run"
