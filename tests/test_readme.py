@@ -1,9 +1,10 @@
-"""The README's configuration reference names every field the code accepts, and nothing else."""
+"""The README's configuration reference is RunConfig's, word for word: every field the code
+accepts, with its default, values and help text, and nothing else."""
 
 import re
 from pathlib import Path
 
-from tasks.core.config import RunConfig
+from tasks.core.config import REFERENCE_BEGIN, REFERENCE_END, RunConfig, reference_table, with_reference
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -20,5 +21,31 @@ def config_fields() -> set[str]:
 
 
 def test_config_reference_matches_the_code():
-    documented = set(re.findall(r"^\| `([a-z_.]+)` \| `", README.read_text(), flags=re.M))
+    documented = set(re.findall(r"^\| `([a-z0-9_.]+)` \| `", README.read_text(), flags=re.M))
     assert documented == config_fields()
+
+
+def test_config_reference_is_the_generated_one():
+    text = README.read_text()
+    section = text[text.index(REFERENCE_BEGIN) + len(REFERENCE_BEGIN) : text.index(REFERENCE_END)]
+    assert section.strip("\n") == reference_table(), (
+        "README.md's configuration reference is not RunConfig's; regenerate it with "
+        "`.venv/bin/python -m tasks.core.config --write README.md`"
+    )
+
+
+def test_regenerating_changes_nothing_else():
+    text = README.read_text()
+    assert with_reference(text) == text
+
+
+def test_a_changed_help_text_shows_in_the_reference():
+    """The reference is read from the fields themselves, not from a copy kept beside them."""
+    field = RunConfig.model_fields["rounds"]
+    before = field.description
+    try:
+        field.description = "Outer rounds, said another way."
+        assert "| `rounds` | `12` | integer, ≥ 1 | Outer rounds, said another way. |" in reference_table()
+    finally:
+        field.description = before
+    assert f"| {before} |" in reference_table()
