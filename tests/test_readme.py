@@ -4,7 +4,7 @@ accepts, with its default, values and help text, and nothing else."""
 import re
 from pathlib import Path
 
-from tasks.core.config import REFERENCE_BEGIN, REFERENCE_END, RunConfig, reference_table, with_reference
+from tasks.core.config import REFERENCE_BEGIN, REFERENCE_END, RunConfig, load_config, reference_table, with_reference
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -49,3 +49,13 @@ def test_a_changed_help_text_shows_in_the_reference():
     finally:
         field.description = before
     assert f"| {before} |" in reference_table()
+
+
+def test_the_readmes_example_config_is_valid(tmp_path):
+    """Every run.toml the README shows loads as it is."""
+    examples = re.findall(r"^```toml\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+    assert examples, "the README shows an example run.toml"
+    for i, example in enumerate(examples):
+        path = tmp_path / f"example-{i}.toml"
+        path.write_text(example)
+        load_config(path, {})  # raises ConfigError naming the field that is wrong

@@ -1,4 +1,4 @@
-"""The merge rule and the outer optimizer (DESIGN.md §3), as pure functions of their inputs.
+"""The merge rule and the outer optimizer (docs/architecture.md, "An outer round"), as pure functions of their inputs.
 
 Weights are Python floats (float64) and deltas are accumulated in float64 in a fixed order, so
 replaying a round from the same deltas gives the same bits.
