@@ -112,10 +112,11 @@ def test_quantize_uses_the_full_range_and_rounds_symmetrically():
     assert scale.dtype == torch.bfloat16 and torch.equal(scale, torch.tensor([1 / 127], dtype=torch.bfloat16))
 
 
-def test_objects_with_float32_scales_still_decode():
+def test_scales_in_another_dtype_are_refused():
     t = torch.randn(3 * BLOCK, generator=torch.Generator().manual_seed(4))
     q, scale = quantize(t, 8)
-    assert torch.equal(dequantize(q, scale.float(), [3 * BLOCK], 8), dequantize(q, scale, [3 * BLOCK], 8))
+    with pytest.raises(ValueError, match="scale must be 3 bfloat16 values"):
+        dequantize(q, scale.float(), [3 * BLOCK], 8)
 
 
 @pytest.mark.parametrize("codec,bits", [("int8", 8), ("int4", 4), ("int3", 3), ("int2", 2)])
@@ -182,9 +183,9 @@ n_blocks = -(-130 // BLOCK)
 @pytest.mark.parametrize(
     "changes,reason",
     [
-        ({"scale": torch.full((n_blocks,), float("nan"))}, "NaN"),
-        ({"scale": torch.tensor([1.0] * (n_blocks - 1) + [float("inf")])}, "NaN, Inf"),
-        ({"scale": -torch.ones(n_blocks)}, "negative"),
+        ({"scale": torch.full((n_blocks,), float("nan"), dtype=torch.bfloat16)}, "NaN"),
+        ({"scale": torch.tensor([1.0] * (n_blocks - 1) + [float("inf")], dtype=torch.bfloat16)}, "NaN, Inf"),
+        ({"scale": -torch.ones(n_blocks, dtype=torch.bfloat16)}, "negative"),
         ({"scale": torch.ones(n_blocks + 1)}, "scale must be"),
         ({"scale": torch.ones(n_blocks, dtype=torch.float64)}, "scale must be"),
         ({"scale": torch.ones(n_blocks, 1)}, "scale must be"),
@@ -216,7 +217,7 @@ def as_bytes(data: bytes) -> torch.Tensor:
     ],
 )
 def test_hostile_deflated_integers_are_refused_without_inflating_past_their_shape(codec, stream, reason):
-    n = integer_bytes(130, {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec], BLOCK)
+    n = integer_bytes(130, {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec])
     with pytest.raises(CodecError, match=reason):
         decode(hostile(codec, z=as_bytes(stream(n))))
 
@@ -264,7 +265,11 @@ def test_integers_that_do_not_shrink_stay_packed_and_packed_objects_still_decode
     assert "w.z" not in wire and torch.equal(wire["w.q"], quantize(t, 8)[0])
     small = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 1e-3
     q, scale = quantize(small, 4)
-    packed = {"v.q": q, "v.scale": scale, "v.shape": torch.tensor([1000])}  # as objects were written before deflate
+    packed = {
+        "v.q": q,
+        "v.scale": scale,
+        "v.shape": torch.tensor([1000]),
+    }  # as a tensor whose integers do not shrink is sent
     out, _ = decode(encode_wire(packed, META, "int4"))
     assert torch.equal(out["v"], dequantize(q, scale, [1000], 4))
 
@@ -293,12 +298,12 @@ def test_orphan_parts_and_stray_floats_are_refused():
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @pytest.mark.parametrize("numel", [0, 1, 64, 100, 256, 1000])
-def test_objects_with_blocks_of_64_values_still_decode(bits, numel):
+def test_every_size_decodes_to_each_value_times_its_blocks_scale(bits, numel):
     t = torch.randn(numel, generator=torch.Generator().manual_seed(5))
-    q, scale = quantize(t, bits, block=64)
-    assert scale.numel() == -(-numel // 64)
+    q, scale = quantize(t, bits)
+    assert scale.numel() == -(-numel // BLOCK)
     ints = unpack(q, bits) if bits < 8 else q
-    expected = ints.float()[:numel] * scale.float().repeat_interleave(64)[:numel]  # each value times its block's scale
+    expected = ints.float()[:numel] * scale.float().repeat_interleave(BLOCK)[:numel]
     assert torch.equal(dequantize(q, scale, [numel], bits), expected)
 
 

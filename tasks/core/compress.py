@@ -3,20 +3,17 @@
 Each tensor is cut into blocks of BLOCK values; a block keeps one bfloat16 scale (its absolute
 maximum over the largest level) and one small integer per value, so one large value costs
 precision only in its own block. A bfloat16 scale over 128 values costs 0.125 bit per value
-(int4: 4.125 bits a value, where blocks of 64 cost 4.25 and float32 scales on them 4.5); its
-rounding (at most 2^-8 of the scale) is one more error that error feedback carries. Objects
-written with float32 scales or with blocks of 64 values still decode: a reader takes the block
-size from the counts of integers and scales (`written_block`). int4 packs two values per byte,
+(int4: 4.125 bits a value); its rounding (at most 2^-8 of the scale) is one more error that
+error feedback carries. int4 packs two values per byte,
 int3 (−3 to 3: 3.125 bits a value) eight per three bytes; int2 (each value −1, 0 or +1 times its
 block's scale: 2.125 bits a value) packs four, and is meant for what has error feedback on its
 side; its scale is chosen for the least error rather than as the block's maximum (`ternary`),
 and decodes the same way. The packed integers then go through deflate (zlib), losslessly: a
 pseudo-gradient's values crowd the levels near zero, so they carry fewer bits than they are
-packed in (the tiny model's int4 and int3 deltas deflate to 0.84–0.90 of their packed bytes at
-the fastest level, within about 1% of the slowest). A tensor whose integers do not shrink keeps
-them packed as they are. Error feedback keeps what the quantizer dropped (the residual) and
+packed in. A tensor whose integers do not shrink keeps them packed as they are. Error feedback keeps what the quantizer dropped (the residual) and
 adds it to the next delta, so over many phases the sum of what was sent tracks the sum of the
-true deltas instead of drifting.
+true deltas instead of drifting (error feedback as in 1-bit SGD and its successors; the
+outer gradients of Streaming DiLoCo, arXiv 2501.18512, travel in 4 bits the same way).
 
 The wire form is a flat dict of tensors that safetensors can store: `<name>.z` (the integers,
 deflated) or `<name>.q` (as packed), `<name>.scale` and `<name>.shape`; storage.codec writes and
@@ -33,10 +30,8 @@ import zlib
 import torch
 from torch.nn import functional as F
 
-BLOCK = 128  # values per scale in what this writes
-DECODABLE_BLOCKS = (BLOCK, 64)  # 64: objects written before blocks were 128 values
+BLOCK = 128  # values per scale
 SCALE_DTYPE = torch.bfloat16
-SCALE_DTYPES = (torch.bfloat16, torch.float32)  # float32: objects written before scales were bf16
 BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 FLOAT_WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CODECS = (*FLOAT_WIRE, *BITS)
@@ -90,12 +85,12 @@ def word_dtype(width: int) -> torch.dtype:
     return torch.uint8 if width == 1 else torch.int32
 
 
-def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(t: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(integers, per-block scales) of a float tensor; int4, int3 and int2 integers come packed in
     uint8. int8, int4 and int3 scale a block by its largest magnitude, so no value is clipped; int2
     by `ternary`."""
     flat = t.detach().to("cpu", torch.float32).reshape(-1)
-    blocks = F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
+    blocks = F.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
     if bits == 2:
         return ternary(blocks)
     scale = (blocks.abs().amax(dim=1) / levels(bits)).to(SCALE_DTYPE)
@@ -111,8 +106,8 @@ def ternary(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the maximum: about half of a Gaussian-like block's energy is lost, for error feedback to send
     later. Instead the values above TERNARY_THRESHOLD × the block's mean magnitude are sent, as ±
     their mean magnitude (the least-squares scale for that choice; the threshold is ternary weight
-    networks'): under a fifth is lost. On the replayed schedule (`python -m benchmarks --only
-    codec`) int2 updates then cost 0.1% of held-out loss instead of 0.4%."""
+    networks'): under a fifth is lost (`python -m benchmarks --only codec` compares the two on
+    the replayed schedule)."""
     mag = blocks.abs()
     sent = mag > TERNARY_THRESHOLD * mag.mean(dim=1, keepdim=True)
     scale = (mag * sent).sum(dim=1) / sent.sum(dim=1).clamp(min=1)
@@ -124,11 +119,11 @@ def ternary(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int) -> torch.Tensor:
     """float32 tensor of `shape`; raises ValueError when the parts do not describe one."""
     check_shape(shape)
-    block = written_block(q, scale, shape, bits)
+    check_parts(q, scale, shape, bits)
     if not torch.isfinite(scale).all() or (scale < 0).any():
         raise ValueError("scale holds NaN, Inf or negative values")
     ints = unpack(q, bits) if bits < 8 else q
-    values = ints.to(torch.float32).view(-1, block) * scale.float()[:, None]
+    values = ints.to(torch.float32).view(-1, BLOCK) * scale.float()[:, None]
     return values.reshape(-1)[: math.prod(shape)].view(shape)
 
 
@@ -137,9 +132,9 @@ def check_shape(shape: list[int]) -> None:
         raise ValueError(f"shape {shape} is not a tensor shape")
 
 
-def integer_bytes(numel: int, bits: int, block: int) -> int:
-    """Bytes of the packed integers of `numel` values in blocks of `block`."""
-    return -(-numel // block) * block * bits // 8
+def integer_bytes(numel: int, bits: int) -> int:
+    """Bytes of the packed integers of `numel` values in blocks of BLOCK."""
+    return -(-numel // BLOCK) * BLOCK * bits // 8
 
 
 def deflate(q: torch.Tensor) -> torch.Tensor | None:
@@ -171,32 +166,23 @@ def inflate(z: torch.Tensor, limit: int, dtype: torch.dtype) -> torch.Tensor:
 def inflate_for(z: torch.Tensor, shape: list[int], bits: int) -> torch.Tensor:
     """`inflate` with the limit a tensor of `shape` calls for, in the integers' own dtype."""
     check_shape(shape)
-    limit = max(integer_bytes(math.prod(shape), bits, b) for b in DECODABLE_BLOCKS)
-    return inflate(z, limit, torch.uint8 if bits < 8 else torch.int8)
+    return inflate(z, integer_bytes(math.prod(shape), bits), torch.uint8 if bits < 8 else torch.int8)
 
 
-def written_block(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int) -> int:
-    """The block size of DECODABLE_BLOCKS that `q` and `scale` were written with: the one whose
-    count of integers `q` holds and whose count of scales `scale` holds. For more than 64 values
-    the scale counts differ, for 1 to 64 the integer counts do, so one fits both (an empty tensor
-    decodes the same either way)."""
-    n_blocks = {b: -(-math.prod(shape) // b) for b in DECODABLE_BLOCKS}
+def check_parts(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int) -> None:
+    """`q` must hold the packed integers and `scale` the bfloat16 scales of a tensor of `shape`
+    in blocks of BLOCK; raises ValueError saying what they hold instead."""
     want_dtype = torch.uint8 if bits < 8 else torch.int8
-    want_numel = {b: integer_bytes(math.prod(shape), bits, b) for b in DECODABLE_BLOCKS}
-    fits_q = [b for b in DECODABLE_BLOCKS if q.dtype == want_dtype and q.dim() == 1 and q.numel() == want_numel[b]]
-    if not fits_q:
-        want = " or ".join(f"{want_numel[b]} (blocks of {b})" for b in DECODABLE_BLOCKS)
+    want_numel = integer_bytes(math.prod(shape), bits)
+    if q.dtype != want_dtype or q.dim() != 1 or q.numel() != want_numel:
         raise ValueError(
-            f"integers must be {want} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}"
+            f"integers must be {want_numel} {want_dtype} values for shape {shape}, got {q.dtype} {tuple(q.shape)}"
         )
-    fits = [b for b in fits_q if scale.dim() == 1 and scale.numel() == n_blocks[b]]
-    if scale.dtype not in SCALE_DTYPES or not fits:
-        want = " or ".join(f"{n_blocks[b]} (blocks of {b})" for b in fits_q)
+    n_blocks = -(-math.prod(shape) // BLOCK)
+    if scale.dtype != SCALE_DTYPE or scale.dim() != 1 or scale.numel() != n_blocks:
         raise ValueError(
-            f"scale must be {want} bfloat16 (or float32) values for shape {shape}, "
-            f"got {scale.dtype} {tuple(scale.shape)}"
+            f"scale must be {n_blocks} bfloat16 values for shape {shape}, got {scale.dtype} {tuple(scale.shape)}"
         )
-    return fits[0]
 
 
 def to_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
