@@ -255,7 +255,7 @@ class _Audit:
 
     def walk_deltas(self, r: int, m: Manifest) -> None:
         self.applied += sum(c.tokens for c in m.contributions)
-        if m.tokens_applied and m.tokens_applied != self.applied:  # 0: written before the field existed
+        if m.tokens_applied != self.applied:
             self.problem(
                 r,
                 layout.manifest_key(self.run_id, r),

@@ -147,11 +147,3 @@ def parse_driver_key(key: str) -> tuple[int, int | None] | None:
     """(epoch, beat seq) of a driver key — seq None for the claim itself — None for any other key."""
     m = _DRIVER.search(key)
     return (int(m.group(1)), int(m.group(2)) if m.group(2) else None) if m else None
-
-
-def learner_name(region: str, index: int) -> str:
-    return f"{region}-{index}"
-
-
-def learner_region(learner: str) -> str:
-    return learner.rsplit("-", 1)[0]

@@ -53,7 +53,7 @@ class Contribution(_Strict):
     sha256: str
     finished_at: float  # the learner's clock when it wrote the delta (unix seconds)
     seconds: float  # how long the learner's phase took
-    seen_at: float | None = None  # the synchronizer's clock when it first listed the delta (newer manifests)
+    seen_at: float  # the synchronizer's clock when it first listed the delta
 
 
 class Excluded(_Strict):
@@ -99,7 +99,7 @@ class Manifest(_Strict):
     created_at: str
     model: ObjectRef
     outer: ObjectRef | None
-    update: EncodedRef | None = None  # θ_r − θ_{r−1} as applied; absent in round 0 and older runs
+    update: EncodedRef | None = None  # θ_r − θ_{r−1} as applied; absent in round 0
     contributions: list[Contribution] = []
     excluded: list[Excluded] = []
     quorum: Quorum

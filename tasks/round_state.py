@@ -122,5 +122,5 @@ def cycle(recent: list[Contribution]) -> float | None:
 
 def seen_lag(recent: list[Contribution]) -> float:
     """From a learner's finish time to the synchronizer seeing its delta, at best: the upload and
-    the clocks' offset, without the wait for the next look (0 in manifests that do not say)."""
-    return min((c.seen_at - c.finished_at for c in recent if c.seen_at is not None), default=0.0)
+    the clocks' offset, without the wait for the next look (0 before the learner's first delta)."""
+    return min((c.seen_at - c.finished_at for c in recent), default=0.0)

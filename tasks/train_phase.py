@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from prefect import get_run_logger, task
@@ -60,6 +61,17 @@ class HeldRound:
     consumed: frozenset[int] = frozenset()
     tokens_applied: int = 0  # the run's progress at round r (Manifest.tokens_applied)
     rates: dict[str, float] = field(default_factory=dict)  # learner → tokens/s of its newest merged phase
+
+
+@dataclass(frozen=True)
+class Way:
+    """How a learner came by a round: the round it held already, made from the run's seed (round
+    0), rebuilt from `updates` updates onto the round it held, or read as the checkpoint, with the
+    reason when the updates were tried first and failed (`fallback`)."""
+
+    source: Literal["held", "seed", "updates", "checkpoint"]
+    updates: int = 0
+    fallback: str | None = None
 
 
 @dataclass
@@ -140,10 +152,10 @@ class LearnerSession:
             if p is not None and p < newest - 1:
                 store.delete(key)
 
-    def base(self, round_: int, held: Held | None = None) -> tuple[HeldRound, str]:
+    def base(self, round_: int, held: Held | None = None) -> tuple[HeldRound, Way]:
         """Round `round_` the cheapest way given the round already `held`, and which way that was."""
         if held is not None and held[0] == round_:
-            return held[1], "held"
+            return held[1], Way("held")
         behind = held is not None and held[0] < round_
         first = held[0] + 1 if behind else round_
         manifests = [read_manifest(self.global_store, self.run, r)[0] for r in range(first, round_ + 1)]
@@ -152,17 +164,18 @@ class LearnerSession:
         }
         rates = dict(held[1].rates) if behind else {}
         rates.update({c.learner: c.tokens / c.seconds for m in manifests for c in m.contributions if c.seconds > 0})
-        params, way = None, "checkpoint"
+        params, way = None, Way("checkpoint")
         if round_ == 0:
             params = self.seeded(manifests[-1])
-            way = "seed" if params is not None else "checkpoint"  # a warm start's round 0 is read
+            if params is not None:  # a warm start's round 0 is read
+                way = Way("seed")
         updates = [m.update for m in manifests]
         if behind and all(updates) and sum(u.bytes for u in updates) < manifests[-1].model.bytes:
             params = self.rebuilt(manifests, held[1].params)
             way = (
-                ("update" if len(updates) == 1 else f"{len(updates)} updates")
+                Way("updates", len(updates))
                 if params is not None
-                else "checkpoint: the updates did not rebuild the published model"
+                else Way("checkpoint", fallback="the updates did not rebuild the published model")
             )
         if params is None:
             params = decode_state(self.fetch(manifests[-1].model))
@@ -198,8 +211,8 @@ class LearnerSession:
     def fetch_round(self, round_: int, held: Held | None) -> HeldRound:
         """Round `round_` for the follower thread, saying when the updates could not be used."""
         published, way = self.base(round_, held)
-        if way.startswith("checkpoint:"):
-            log.warning("%s learner %s: round %d from the %s", self.run, self.learner, round_, way)
+        if way.fallback is not None:
+            log.warning("%s learner %s: round %d from the checkpoint: %s", self.run, self.learner, round_, way.fallback)
         return published
 
     def reference(self, held: Held) -> dict[str, torch.Tensor]:

@@ -34,6 +34,7 @@ def contribution(learner: str, phase: int, tokens: int, loss: float, staleness: 
         sha256="ef" * 32,
         finished_at=1.75e9,
         seconds=3.0,
+        seen_at=1.75e9 + 0.5,
     )
 
 

@@ -307,6 +307,7 @@ def manifest(**changes) -> Manifest:
                 sha256="ef" * 32,
                 finished_at=1.75e9,
                 seconds=12.5,
+                seen_at=1.75e9 + 0.5,
             )
         ],
         excluded=[

@@ -161,7 +161,7 @@ def test_a_negative_listing_period_is_refused():
         decide(POLICY, START, START, {}, LEARNERS, {}, listing_s=-0.1)
 
 
-def merged(phase: int, finished_at: float, seen_at: float | None) -> Contribution:
+def merged(phase: int, finished_at: float, seen_at: float) -> Contribution:
     return Contribution(
         learner="a-0",
         region="a",
@@ -188,8 +188,8 @@ def test_a_learners_cycle_and_lag_come_from_its_merged_deltas():
     assert cycle(recent) == 3.5
     assert seen_lag(recent) == pytest.approx(0.3)
     assert cycle(recent[:1]) is None
-    # Manifests from before the synchronizer recorded when it saw a delta: the learner's clock alone.
-    assert seen_lag([merged(0, 100.0, None)]) == 0.0
+    # Nothing merged yet: no lag known.
+    assert seen_lag([]) == 0.0
 
 
 def test_a_delta_seen_in_this_round_moves_its_learners_expected_arrival_on():

@@ -16,7 +16,7 @@ from storage.codec import encode_state, packed
 from storage.rounds import checkpoint_metadata, read_manifest
 from storage.store import sha256_hex
 from tasks.core import compress
-from tasks.train_phase import HeldRound, LearnerSession
+from tasks.train_phase import HeldRound, LearnerSession, Way
 
 RUN = "way-down-run"
 
@@ -47,7 +47,7 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     # Round 0 is the seeded model: each learner makes it and checks its hash, nothing is read.
     for learner in (first, second):
         theta0, way, from_global, from_region = reads(learner, 0)
-        assert way == "seed" and from_global < round0.model.bytes and from_region == 0
+        assert way.source == "seed" and from_global < round0.model.bytes and from_region == 0
     assert sha256_hex(encode_state(theta0, checkpoint_metadata(RUN, 0))) == round0.model.sha256
 
     for i, learner in enumerate(["north-0", "south-0"]):
@@ -58,31 +58,35 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
     assert round1.update.bytes < round1.model.bytes * 0.6
 
     theta1, way, from_global, _ = reads(first, 1)
-    assert way == "update" and round1.update.bytes <= from_global < round1.model.bytes
+    assert way == Way("updates", 1) and round1.update.bytes <= from_global < round1.model.bytes
     # Each contribution's tokens per second, which paced phases scale H by (tasks.core.pace).
     assert held(first)[1].rates == {c.learner: c.tokens / c.seconds for c in round1.contributions}
     assert set(held(first)[1].rates) == {"north-0", "south-0"}
     assert stores.region("north").exists(layout.cache_key(RUN, round1.update.key))
     _, way, from_global, from_region = reads(second, 1)
-    assert way == "update" and from_global < round1.update.bytes <= from_region
+    assert way == Way("updates", 1) and from_global < round1.update.bytes <= from_region
 
     _, way, from_global, from_region = reads(first, 1)
-    assert (way, from_global, from_region) == ("held", 0, 0)
+    assert (way, from_global, from_region) == (Way("held"), 0, 0)
 
     # Restarted learners hold nothing: the region's first copy of round 1's checkpoint, then that copy.
     restarted = [LearnerSession.open(config, RUN, name, stores) for name in ("north-0", "north-1")]
     again, way, from_global, _ = reads(restarted[0], 1)
-    assert way == "checkpoint" and from_global >= round1.model.bytes
+    assert way == Way("checkpoint") and from_global >= round1.model.bytes
     assert all(torch.equal(theta1[n], again[n]) for n in theta1)
     _, way, from_global, from_region = reads(restarted[1], 1)
-    assert way == "checkpoint" and from_global < round1.model.bytes <= from_region
+    assert way == Way("checkpoint") and from_global < round1.model.bytes <= from_region
 
     # A held θ_0 that is not round 0's: the rebuilt model misses the manifest's hash; the checkpoint is read.
     off = {**theta0, "lm_head.weight": theta0["lm_head.weight"].clone()}
     off["lm_head.weight"][0, 0] += 1e-3
     HELD[id(second)] = (second, 0, HeldRound(off))
     fixed, way, _, _ = reads(second, 1)
-    assert way.startswith("checkpoint:") and all(torch.equal(theta1[n], fixed[n]) for n in theta1)
+    assert (
+        way.source == "checkpoint"
+        and way.fallback is not None
+        and all(torch.equal(theta1[n], fixed[n]) for n in theta1)
+    )
 
     report = audit_run(stores, RUN, replay=True)
     assert report.ok and report.replayed == 2, report.summary()
@@ -104,10 +108,10 @@ def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_delt
     assert sum(m.update.bytes for m in manifests) < manifests[1].model.bytes
 
     theta2, way, from_global, _ = reads(session, 2)
-    assert way == "2 updates" and from_global < manifests[1].model.bytes
+    assert way == Way("updates", 2) and from_global < manifests[1].model.bytes
     assert held(session)[1].consumed == {0, 1}
     fresh, way, _, _ = reads(LearnerSession.open(config, run, "north-0", stores), 2)
-    assert way == "checkpoint" and all(torch.equal(theta2[n], fresh[n]) for n in theta2)
+    assert way == Way("checkpoint") and all(torch.equal(theta2[n], fresh[n]) for n in theta2)
 
     compared = []
     monkeypatch.setattr(compress, "DEFLATE_LEVEL", 9)  # as another zlib build would: other bytes
