@@ -15,6 +15,7 @@ import torch
 from botocore.exceptions import ResponseStreamingError
 
 import storage.encoded as encoded_module
+import storage.s3 as s3_module
 import storage.store as store_module
 from storage import layout
 from storage.encoded import EncodedObject
@@ -58,8 +59,8 @@ def test_put_if_absent_writes_once_and_keeps_the_first_bytes(store):
 def test_a_stream_is_put_once_and_the_first_bytes_stay(store, tmp_path, monkeypatch, single_put_max):
     """An object made of a header, a part file and memory goes up as it is read, never assembled."""
     if single_put_max:  # three parts of S3's smallest part size
-        monkeypatch.setattr(store_module, "SINGLE_PUT_MAX", single_put_max)
-        monkeypatch.setattr(store_module, "CHUNK_BYTES", 5 * 2**20)
+        monkeypatch.setattr(s3_module, "SINGLE_PUT_MAX", single_put_max)
+        monkeypatch.setattr(s3_module, "PART_BYTES", 5 * 2**20)
     part = tmp_path / "part"
     part.write_bytes(bytes(range(256)) * (11 * 2**12))  # 11 MiB
     body = torch.arange(2**18, dtype=torch.float32).numpy()  # 1 MiB of a tensor's memory
@@ -154,7 +155,7 @@ def test_get_chunks_streams_an_object_in_full_chunks(store, monkeypatch):
 
 def _break_once(monkeypatch, after_calls: int, before_break=lambda: None):
     """Make the S3 download break (as a reset connection does) on read number `after_calls` + 1."""
-    real, calls = store_module._read_up_to, [0]
+    real, calls = s3_module._read_up_to, [0]
 
     async def flaky(body, n):
         calls[0] += 1
@@ -164,7 +165,7 @@ def _break_once(monkeypatch, after_calls: int, before_break=lambda: None):
         return await real(body, n)
 
     monkeypatch.setattr(store_module, "READ_BYTES", 1000)
-    monkeypatch.setattr(store_module, "_read_up_to", flaky)
+    monkeypatch.setattr(s3_module, "_read_up_to", flaky)
 
 
 def test_a_broken_s3_download_goes_on_where_it_stopped(s3_bucket, monkeypatch):
@@ -506,9 +507,16 @@ def test_s3_lists_every_page(s3_bucket, monkeypatch):
     keys = {f"runs/r/k{i:02d}": 1 for i in range(5)}
     for key in keys:
         store.put_if_absent(key, b"x")
-    call = store.fs.call_s3
-    monkeypatch.setattr(store.fs, "call_s3", lambda method, **kw: call(method, **kw, MaxKeys=2))
+    call, pages = store._call, []
+
+    def counted(method, **kw):
+        pages.append(method)
+        return call(method, **kw)
+
+    monkeypatch.setattr(s3_module, "LIST_PAGE_KEYS", 2)
+    monkeypatch.setattr(store, "_call", counted)
     assert store.list("runs/") == keys
+    assert pages == ["list_objects_v2"] * 3
     assert store.list("runs/", start_after="runs/r/k00") == {k: 1 for k in list(keys)[1:]}
 
 
