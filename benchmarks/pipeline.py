@@ -168,7 +168,7 @@ def seed_round0(spec: Spec, stores: Stores) -> None:
     from benchmarks.heldout import loss
 
     commit(
-        stores,
+        stores.global_,
         Manifest(
             run=run,
             round=0,

@@ -185,11 +185,12 @@ def wait_for_learner_deployment(name: str, timeout_s: float = 90.0) -> None:
 
 
 def preflight(config: RunConfig) -> None:
-    """Every bucket must answer before anything is written."""
+    """Before anything is written: every bucket must answer, and the store must refuse a second
+    create-only write of one key (and keep objects under retention, with object_lock_days)."""
+    from flows.buckets import prepare_buckets
     from storage.store import Stores
 
-    for store in Stores(store_template(config), config.regions).all():
-        store.check_reachable()
+    prepare_buckets(config, Stores(store_template(config), config.regions))
 
 
 def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) -> int:

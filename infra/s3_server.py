@@ -48,13 +48,41 @@ def client(url: str):
     )
 
 
-def create_buckets(url: str, names: Iterable[str]) -> None:
-    """Create each bucket unless it exists already."""
+def create_buckets(url: str, names: Iterable[str], locked: Iterable[str] = ()) -> None:
+    """Create each bucket unless it exists already; those in `locked` with S3 Object Lock, which
+    an existing one is given if it can be (versioning first; moto takes it on an empty bucket only)."""
+    from botocore.exceptions import ClientError
+
+    from storage.store import StoreError
+
     s3 = client(url)
     existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
+    locked = set(locked)
     for name in names:
         if name not in existing:
-            s3.create_bucket(Bucket=name)
+            s3.create_bucket(Bucket=name, **({"ObjectLockEnabledForBucket": True} if name in locked else {}))
+        elif name in locked and not lock_enabled(s3, name):
+            s3.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+            try:
+                s3.put_object_lock_configuration(Bucket=name, ObjectLockConfiguration={"ObjectLockEnabled": "Enabled"})
+            except ClientError as exc:
+                raise StoreError(
+                    f"s3://{name} on {url} holds objects written before a run asked for object_lock_days, and "
+                    f"this endpoint turns S3 Object Lock on for an empty bucket only ({exc.response['Error']['Code']}); "
+                    "start the embedded stack in a fresh ISLANDS_HOME"
+                ) from exc
+
+
+def lock_enabled(s3, bucket: str) -> bool:
+    from botocore.exceptions import ClientError
+
+    try:
+        config = s3.get_object_lock_configuration(Bucket=bucket)["ObjectLockConfiguration"]
+    except ClientError as exc:
+        if exc.response["Error"]["Code"] == "ObjectLockConfigurationNotFoundError":
+            return False
+        raise
+    return config.get("ObjectLockEnabled") == "Enabled"
 
 
 def _local_path(folder: Path, bucket: str, key: str) -> Path | None:

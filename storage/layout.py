@@ -11,6 +11,7 @@ Global bucket (written by the synchronizer and the driver)::
     runs/<run>/stop.json                                  # the driver asks learners to stop
     runs/<run>/drivers/<epoch:06d>.json                   # a driver's claim (each run or resume)
     runs/<run>/drivers/<epoch:06d>/beat-<seq:08d>         # its heartbeat (the newest two kept)
+    runs/<run>/probes/<token>                             # a driver's create-only check, deleted at once
 
 Regional bucket (written by that region's learners)::
 
@@ -57,6 +58,10 @@ def driver_key(run: str, epoch: int) -> str:
 
 def beat_key(run: str, epoch: int, seq: int) -> str:
     return drivers_prefix(run) + f"{epoch:06d}/beat-{seq:08d}"
+
+
+def probe_key(run: str, token: str) -> str:
+    return f"runs/{run}/probes/{token}"
 
 
 def round_prefix(run: str, round_: int) -> str:

@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 
 from storage import layout
-from storage.store import ObjectStore
+from storage.store import ObjectStore, StoreError
 
 BEAT_S = 5.0
 LEASE_S = 60.0  # well above an S3 stall that clients ride out by retrying
+CLAIM_TRIES = 20  # epochs tried before giving up: each lost try is another driver starting at once
 
 
 def epochs(store: ObjectStore, run: str) -> dict[int, int]:
@@ -34,11 +35,21 @@ def epochs(store: ObjectStore, run: str) -> dict[int, int]:
 
 
 def claim(store: ObjectStore, run: str, info: dict) -> int:
-    """Claim the next epoch for this driver; two drivers starting at once get different ones."""
-    while True:
-        epoch = max(epochs(store, run), default=-1) + 1
-        if store.put_if_absent(layout.driver_key(run, epoch), json.dumps(info, sort_keys=True).encode()):
+    """Claim the next epoch for this driver; two drivers starting at once get different ones.
+
+    Each try asks for an epoch above every one listed and above the one it lost last, so a store
+    whose listing lags behind its writes cannot make it ask for the same key again; after
+    CLAIM_TRIES lost tries it gives up rather than spin."""
+    body, tried = json.dumps(info, sort_keys=True).encode(), -1
+    for _ in range(CLAIM_TRIES):
+        epoch = max(max(epochs(store, run), default=-1), tried) + 1
+        if store.put_if_absent(layout.driver_key(run, epoch), body):
             return epoch
+        tried = epoch
+    raise StoreError(
+        f"{store.url}: run {run}: {CLAIM_TRIES} driver epochs in a row were taken before this driver could "
+        f"claim one (up to epoch {tried}); is another `islands run` or `resume` of {run} starting over and over?"
+    )
 
 
 class Heartbeat:

@@ -13,7 +13,8 @@ OSError and retry on top of botocore.
 
 With `with_retention(days)`, objects are created under S3 Object Lock in COMPLIANCE mode: S3
 then refuses to delete their version or shorten the date until it passes, whoever asks. S3 wants
-a checksum on such writes; each carries its SHA-256, which S3 also checks against the bytes.
+a checksum algorithm named on such writes; every write names SHA-256 and carries the object's
+(or part's) SHA-256, which S3 checks against the bytes, so botocore computes none of its own.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ class S3Store(ObjectStore):
                         Key=self._key(key),
                         Body=data,
                         IfNoneMatch="*",
+                        ChecksumAlgorithm="SHA256",
                         ChecksumSHA256=_checksum(hashlib.sha256(data).digest()),
                         **self._retention(),
                     )
@@ -203,6 +205,7 @@ class S3Store(ObjectStore):
                     Key=self._key(key),
                     Body=body,
                     IfNoneMatch="*",
+                    ChecksumAlgorithm="SHA256",
                     ChecksumSHA256=checksum,
                     **self._retention(),
                 )
@@ -232,6 +235,7 @@ class S3Store(ObjectStore):
                         UploadId=upload_id,
                         PartNumber=number,
                         Body=piece,
+                        ChecksumAlgorithm="SHA256",
                         ChecksumSHA256=checksum,
                     )
                     flying.append((number, checksum, sent))

@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from storage import layout
 from storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
 from storage.rounds import checkpoint_metadata, put_encoded, put_tensors, put_update, read_manifest
-from storage.store import Stores, sha256_hex
+from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.collect import Collected
 from tasks.core.config import RunConfig
 from tasks.core.model import build_model, params_of
@@ -60,13 +60,21 @@ def hyper(config: RunConfig) -> dict:
     }
 
 
-def commit(stores: Stores, manifest: Manifest) -> Published:
+def round_store(config: RunConfig, stores: Stores) -> ObjectStore:
+    """Where a round's checkpoints and manifest go: the global bucket, each object under S3
+    Object Lock (compliance mode) for `object_lock_days` when the run asks for it, so that not
+    even the synchronizer's or an admin's credentials can delete or replace the record."""
+    days = config.object_lock_days
+    return stores.global_ if days is None else stores.global_.with_retention(days)
+
+
+def commit(store: ObjectStore, manifest: Manifest) -> Published:
     """Put the manifest if absent; on a lost race, verify or adopt the winner's."""
     data = manifest.to_bytes()
     key = layout.manifest_key(manifest.run, manifest.round)
-    if stores.global_.put_if_absent(key, data):
+    if store.put_if_absent(key, data):
         return Published(manifest, sha256_hex(data), "committed")
-    winner, sha = read_manifest(stores.global_, manifest.run, manifest.round)
+    winner, sha = read_manifest(store, manifest.run, manifest.round)
     same = winner.model.sha256 == manifest.model.sha256 and winner.parent_sha256 == manifest.parent_sha256
     return Published(winner, sha, "idempotent" if same else "adopted")
 
@@ -76,7 +84,8 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     momentum yet."""
     model = build_model(config.model, config.seed)
     params = params_of(model)
-    ref = put_tensors(stores.global_, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
+    store = round_store(config, stores)
+    ref = put_tensors(store, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
     loss = held_out_loss(config, params) if config.evaluates(0, 0) else None
     learners = [name for name, _, _ in config.learners()]
     manifest = Manifest(
@@ -98,7 +107,7 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
         hyper=hyper(config),
         eval_loss=loss,
     )
-    return commit(stores, manifest)
+    return commit(store, manifest)
 
 
 def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, EncodedRef, ObjectRef]:
@@ -109,7 +118,8 @@ def write_objects(state: RoundState, merged: Merged) -> tuple[ObjectRef, Encoded
     uploads at once faster than one after another (moto's server stores them on its threads).
     A crash point fires once the objects it names are in; the others may then be in flight, and
     an upload cut short leaves no object."""
-    run, r, store, codec = state.run, state.round, state.stores.global_, state.config.update_codec
+    run, r, codec = state.run, state.round, state.config.update_codec
+    store = round_store(state.config, state.stores)
     with ThreadPoolExecutor(3, thread_name_prefix="publish-put") as pool:
         model = pool.submit(put_encoded, store, lambda sha: layout.model_key(run, r, sha), merged.model_object)
         update = pool.submit(put_update, store, run, r, merged.update, codec)
@@ -151,7 +161,7 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
         hyper=hyper(state.config),
         timings={**timings, "publish_s": round(time.perf_counter() - t0, 3)},
     )
-    published = commit(state.stores, manifest)
+    published = commit(round_store(state.config, state.stores), manifest)
     crash_point("publish.after_manifest", r)
     if published.outcome != "committed":
         log.warning("%s round %d: another synchronizer committed first (%s)", run, r, published.outcome)

@@ -152,6 +152,12 @@ class RunConfig(BaseModel):
         None,
         description="Bucket URL template with {bucket}, e.g. s3://islands-{bucket}; empty = the embedded S3 endpoint.",
     )
+    object_lock_days: int | None = Field(
+        None,
+        ge=1,
+        le=36500,
+        description="Keep each round's manifest and checkpoints under S3 Object Lock (compliance mode) for this many days, so that no credential, an admin's included, can delete or replace them before (empty: no lock). Needs an s3:// global bucket with Object Lock; the embedded one is given it.",
+    )
     learner_deployment: str = Field(
         "learner/local", description="Deployment that runs learners; '{region}' is replaced by the learner's region."
     )
@@ -236,6 +242,10 @@ class RunConfig(BaseModel):
             )
         if self.quorum.max_quorum is not None and not self.quorum.min_quorum <= self.quorum.max_quorum <= n:
             raise ValueError(f"quorum.max_quorum: must lie between min_quorum and the {n} learners")
+        if self.object_lock_days is not None and not (self.store or EMBEDDED_STORE).startswith("s3://"):
+            raise ValueError(
+                "object_lock_days: needs an s3:// store (S3 Object Lock); a folder cannot keep objects under retention"
+            )
         if self.target_loss is not None and self.eval_every == 0:
             raise ValueError(
                 "eval_every: 0 evaluates the last round only, so target_loss could never end the run; set eval_every >= 1"
