@@ -1,5 +1,11 @@
 """What the Prefect UI shows: a table and a manifest link per round, a progress bar per run, and a
-report with the loss curve, the quorum decisions, the bytes sent and where everything is."""
+report with the loss curve, the quorum decisions, the bytes sent and where everything is.
+
+Each round also leaves the sha256 of its manifest as the synchronizer committed it, in an artifact
+of its own: a second witness of the chain's head, kept by the Prefect API rather than the
+buckets, so a rewrite of the whole chain in storage (every manifest re-hashed consistently, which
+the chain alone cannot show) still differs from it. `islands audit` compares them (flows.witness).
+"""
 
 from __future__ import annotations
 
@@ -67,7 +73,12 @@ def browser_url(url: str) -> str:
     return f"https://s3.console.aws.amazon.com/s3/object/{parsed.netloc}?prefix={quote(parsed.path.lstrip('/'))}"
 
 
-def publish_round_artifacts(manifest: Manifest, manifest_url: str) -> None:
+def witness_key(run: str, round_: int) -> str:
+    return f"{run}-round-{round_:03d}-sha256"
+
+
+def publish_round_artifacts(manifest: Manifest, manifest_url: str, sha256: str) -> None:
+    """The round's table, its manifest link and the witness of its manifest's sha256."""
     q = manifest.quorum
     key = f"{manifest.run}-round-{manifest.round:03d}"
     link = browser_url(manifest_url)
@@ -85,6 +96,14 @@ def publish_round_artifacts(manifest: Manifest, manifest_url: str) -> None:
         link_text=manifest_url,
         key=f"{key}-manifest",
         description=f"{manifest.run} round {manifest.round}: manifest",
+    )
+    create_table_artifact(
+        [{"round": manifest.round, "manifest": manifest_url, "sha256": sha256}],
+        key=witness_key(manifest.run, manifest.round),
+        description=(
+            f"{manifest.run} round {manifest.round}: the sha256 of its manifest as committed, a witness of the chain "
+            "kept outside storage (`islands audit` compares it)"
+        ),
     )
 
 

@@ -7,6 +7,12 @@ balances each learner's token ledger, and with `replay` recomputes every merge f
 deltas and checks the published bits. Reads go through storage/ only — no Prefect, no local
 state — so anyone with read access to the buckets can audit.
 
+Two checks reach past the chain, whose newest manifest nothing in storage vouches for: given the
+manifest sha256s the Prefect API recorded as each round was committed (flows.witness), every
+round's manifest must be one of them, so a chain rewritten consistently in storage fails; and in a
+run with object_lock_days, a round object must have one version only, since Object Lock keeps
+the first one however many are stacked on it.
+
 Token ledger, per learner:  lost = trained − applied − dropped − pending.
   trained  trainer steps in the learner's newest saved state × batch × block (the learner's own
            count, independent of its deltas); the sum of its deltas' claims when it saved none
@@ -26,11 +32,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from pydantic import ValidationError
 
+from flows.witness import Witness
 from storage import layout
 from storage.codec import CodecError, decode, decode_state, encode_state, encode_wire, packed, read_header
 from storage.manifest import Contribution, Manifest, ObjectRef
 from storage.rounds import checkpoint_metadata, object_header, read_config, read_evaluation
-from storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
+from storage.store import AccessDenied, IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
 from tasks.core.compress import residual_state, split_residual
 from tasks.core.config import MergeSettings
 from tasks.core.merge import Candidate, apply_update, encode_update, merge_round, plan_merge
@@ -59,6 +66,7 @@ class AuditReport:
     ledger: dict[str, dict[str, int]] = field(default_factory=dict)
     objects: int = 0  # objects whose bytes were hashed against a manifest
     replayed: int | None = None  # rounds recomputed bit for bit; None without replay
+    witnessed: int | None = None  # newest round whose manifest the Prefect API's record vouches for
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -98,14 +106,16 @@ class _Round:
     update: bytes | None = None
 
 
-def audit_run(stores: Stores, run: str, replay: bool) -> AuditReport:
-    """Check run `run` in `stores` (whose regions must be the run's); never raises on bad data."""
-    return _Audit(stores, run, replay).run()
+def audit_run(stores: Stores, run: str, replay: bool, witness: Witness | None = None) -> AuditReport:
+    """Check run `run` in `stores` (whose regions must be the run's), and its manifests against
+    `witness` when given; never raises on bad data."""
+    return _Audit(stores, run, replay, witness).run()
 
 
 class _Audit:
-    def __init__(self, stores: Stores, run: str, replay: bool):
-        self.stores, self.run_id, self.replay = stores, run, replay
+    def __init__(self, stores: Stores, run: str, replay: bool, witness: Witness | None = None):
+        self.stores, self.run_id, self.replay, self.witness = stores, run, replay, witness
+        self.manifest_shas: dict[int, str] = {}  # round → sha256 of its manifest's bytes in storage
         self.config = read_config(stores.global_, run)
         self.report = AuditReport(run=run, replayed=0 if replay else None)
         self.named: dict[str, int] = {}  # delta key → the round whose manifest named it
@@ -134,11 +144,65 @@ class _Audit:
                 parent = None
                 continue
             current = self.walk_round(r, key, parent)
+            self.manifest_shas[r] = current.sha256
             if self.replay and current.manifest is not None:
                 self.replay_round(current, parent)
             parent = current
         self.balance()
+        self.check_witness()
+        if self.config.object_lock_days is not None:
+            self.check_versions()
         return self.report
+
+    # -- beyond the chain --------------------------------------------------------------------
+    def check_witness(self) -> None:
+        """Every round the Prefect API recorded must be in storage with the recorded manifest."""
+        if self.witness is None:
+            self.report.notes.append("no Prefect API answered: the newest manifest was checked against storage alone")
+            return
+        for r, shas in sorted(self.witness.shas.items()):
+            key = layout.manifest_key(self.run_id, r)
+            stored = self.manifest_shas.get(r)
+            if stored is None:
+                self.problem(
+                    r, key, f"the Prefect API recorded this manifest (sha256 {min(shas)[:12]}…), storage has none"
+                )
+            elif stored not in shas:
+                self.problem(
+                    r,
+                    key,
+                    f"sha256 {stored[:12]}… is not the {min(shas)[:12]}… the Prefect API recorded when round {r} "
+                    "was committed: the chain was rewritten in storage",
+                )
+        vouched = [r for r, sha in self.manifest_shas.items() if sha in self.witness.shas.get(r, set())]
+        self.report.witnessed = max(vouched, default=None)
+        newest = self.report.rounds
+        if self.report.witnessed == newest:
+            self.report.notes.append(
+                f"round {newest}'s manifest is the one the Prefect API at {self.witness.api} recorded"
+            )
+        else:
+            self.report.notes.append(
+                f"round {newest}'s manifest has no record in the Prefect API at {self.witness.api}"
+                + (f"; round {self.report.witnessed}'s has" if self.report.witnessed is not None else "")
+            )
+
+    def check_versions(self) -> None:
+        """Under Object Lock a round object's first version stays; a second one is a rewrite."""
+        store = self.stores.global_
+        try:
+            counts = store.version_counts(layout.rounds_prefix(self.run_id))
+        except AccessDenied as exc:
+            self.report.notes.append(f"object versions not checked: {exc}")
+            return
+        for key, n in sorted(counts.items()):
+            if n > 1:
+                self.problem(
+                    layout.parse_round_key(key),
+                    key,
+                    f"{n} versions: written again or deleted after publishing (its first version, under Object Lock, "
+                    "is the one published)",
+                )
 
     # -- the chain and the objects --------------------------------------------------------
     def walk_round(self, r: int, key: str, parent: _Round | None) -> _Round:

@@ -100,7 +100,9 @@ def parser() -> argparse.ArgumentParser:
         help="show it again every SECONDS until the run is finished; waits for a run not created yet",
     )
 
-    aud = sub.add_parser("audit", help="verify a run from storage: hash chain, objects, token ledger")
+    aud = sub.add_parser(
+        "audit", help="verify a run from storage: hash chain, objects, token ledger; its head against Prefect's record"
+    )
     aud.add_argument("run_id")
     aud.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
     aud.add_argument("--replay", action="store_true", help="also recompute every merge and compare the bits")
@@ -369,7 +371,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
             regions = read_config(Stores(template, []).global_, args.run_id).regions
         except (ObjectMissing, StoreError) as exc:
             return fail(f"{args.run_id}: no such run in {template} ({exc})")
-        report = audit_run(Stores(template, regions), args.run_id, args.replay)
+        from flows.witness import read_witness
+
+        stores = Stores(template, regions)
+        report = audit_run(stores, args.run_id, args.replay, read_witness(args.run_id, stores.global_.url))
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0 if report.ok else 1
 

@@ -89,7 +89,7 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     finally:
         state.drop_spool()
     manifest = evaluated(published.manifest, loss)
-    publish_round_artifacts(manifest, f"{stores.global_.url}/{layout.manifest_key(run_id, round)}")
+    publish_round_artifacts(manifest, f"{stores.global_.url}/{layout.manifest_key(run_id, round)}", published.sha256)
     return {**summarize(manifest), "outcome": published.outcome}
 
 

@@ -124,6 +124,7 @@ def learner_state_key(run: str, learner: str, phase: int) -> str:
     return learner_state_prefix(run, learner) + f"state-{phase:06d}.safetensors"
 
 
+_ROUND_OBJECT = re.compile(r"runs/[^/]+/rounds/(\d{6})/")
 _ROUND_MANIFEST = re.compile(r"runs/[^/]+/rounds/(\d{6})/manifest\.json$")
 _DELTA = re.compile(r"runs/[^/]+/deltas/([^/]+)/(\d{6})\.safetensors$")
 _STATE = re.compile(r"runs/[^/]+/learners/[^/]+/state-(\d{6})\.safetensors$")
@@ -133,6 +134,12 @@ _DRIVER = re.compile(r"runs/[^/]+/drivers/(\d{6})(?:\.json|/beat-(\d{8}))$")
 def parse_manifest_key(key: str) -> int | None:
     """Round number of a manifest key, None for any other key."""
     m = _ROUND_MANIFEST.search(key)
+    return int(m.group(1)) if m else None
+
+
+def parse_round_key(key: str) -> int | None:
+    """Round number of any object of a round (its manifest, checkpoints, evaluation), None otherwise."""
+    m = _ROUND_OBJECT.match(key)
     return int(m.group(1)) if m else None
 
 

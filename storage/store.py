@@ -155,6 +155,11 @@ class ObjectStore(abc.ABC):
     def delete(self, key: str) -> None:
         """Garbage collection only: the contract never rewrites an object. Absent is no error."""
 
+    def version_counts(self, prefix: str) -> dict[str, int]:
+        """How many versions (delete markers included) each key under the folder `prefix` has,
+        where the store keeps versions; one that keeps none has none to show."""
+        return {}
+
     def check_retention(self) -> None:
         """Fail unless objects written through `with_retention` are kept for that long."""
         raise self._no_retention()

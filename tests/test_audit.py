@@ -1,5 +1,6 @@
 """`islands audit` on a real run: clean it passes (ledger balanced, every merge replayed bit for
-bit); after each kind of tampering it exits 1 naming the round and the object.
+bit, the newest manifest the one the Prefect API recorded); after each kind of tampering it exits 1
+naming the round and the object, a chain rewritten consistently in storage included.
 
 One short run (2 regions, 3 rounds, H = 5) through `islands run` on the session stack; each test
 breaks the stored objects with plain S3 writes and puts the original bytes back afterwards.
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.cli import main
 from infra.s3_server import client
@@ -103,6 +105,7 @@ def test_a_clean_run_passes_with_replay_and_balanced_books(s3, on_stack):
     report = json.loads(proc.stdout)
     assert report["ok"] and report["problems"] == []
     assert report["rounds"] == 3 and report["replayed"] == 4
+    assert report["witnessed"] == 3 and any("the Prefect API at" in n for n in report["notes"]), report["notes"]
     assert set(report["ledger"]) == {"north-0", "south-0"}
     for row in report["ledger"].values():
         assert row["trained"] > 0 and row["applied"] > 0
@@ -184,8 +187,14 @@ def test_tampering_is_named_by_round_and_object(s3, capsys, case):
         assert f"round {round_}  {key}:" in out, f"{case}: round {round_} {key} not named in\n{out}"
 
 
-def test_a_rewritten_newest_manifest_passes_the_chain_but_not_the_replay(s3, capsys):
-    """The newest manifest has no successor to vouch for it; recomputing its merge does."""
+def storage_alone():
+    """The audit as anyone with read access to the buckets alone runs it: no Prefect API."""
+    return temporary_settings(restore_defaults={PREFECT_API_URL})
+
+
+def test_a_rewritten_newest_manifest_passes_the_chain_but_not_the_witness_nor_the_replay(s3, capsys):
+    """The newest manifest has no successor to vouch for it; the Prefect API's record of it does,
+    and so does recomputing its merge."""
     head = manifest(s3, 3)
     forged = head.model_copy(
         update={
@@ -196,9 +205,43 @@ def test_a_rewritten_newest_manifest_passes_the_chain_but_not_the_replay(s3, cap
         }
     )
     with tampered(s3, {(GLOBAL, _m(3)): forged.to_bytes()}):
-        assert audit(capsys)[0] == 0
+        with storage_alone():
+            assert audit(capsys)[0] == 0
+        code, witnessed = audit(capsys)
+        assert code == 1 and f"round 3  {_m(3)}: sha256" in witnessed and "rewritten in storage" in witnessed
         code, out = audit(capsys, "--replay")
     assert code == 1 and f"round 3  {_m(3)}: recorded weights" in out, out
+
+
+def _rechained(s3, created_at: str) -> dict[tuple[str, str], bytes]:
+    """Every manifest rewritten (its created_at) and re-linked: a chain consistent in itself."""
+    changes, parent = {}, None
+    for r in range(4):
+        data = manifest(s3, r).model_copy(update={"created_at": created_at, "parent_sha256": parent}).to_bytes()
+        changes[(GLOBAL, _m(r))] = data
+        parent = hashlib.sha256(data).hexdigest()
+    return changes
+
+
+def test_a_chain_rewritten_consistently_in_storage_fails_on_the_prefect_witness(s3, capsys):
+    with tampered(s3, _rechained(s3, "2000-01-01T00:00:00.000+00:00")):
+        with storage_alone():
+            code, out = audit(capsys)
+            assert code == 0 and "checked against storage alone" in out, out
+        code, out = audit(capsys, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["witnessed"] is None
+    named = {(p["round"], p["object"]) for p in report["problems"]}
+    assert named == {(r, _m(r)) for r in (1, 2, 3)}, report["problems"]
+    assert all("rewritten in storage" in p["what"] for p in report["problems"])
+
+
+def test_a_deleted_newest_round_is_missed_by_storage_alone_but_not_by_the_witness(s3, capsys):
+    with tampered(s3, {(GLOBAL, _m(3)): None}):
+        with storage_alone():
+            assert audit(capsys)[0] == 0
+        code, out = audit(capsys)
+    assert code == 1 and f"round 3  {_m(3)}: the Prefect API recorded this manifest" in out, out
 
 
 def test_trained_tokens_without_a_delta_are_reported_lost(s3, capsys):
