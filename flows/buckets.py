@@ -39,6 +39,6 @@ def prepare_buckets(config: RunConfig, stores: Stores) -> None:
         )
     for store in stores.all():
         store.check_reachable()
-    check_create_only(stores.global_, config.run_id)
+    check_create_only(stores.global_)
     if config.object_lock_days is not None:
         stores.global_.check_retention()

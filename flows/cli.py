@@ -227,7 +227,7 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) ->
             preflight(config)
         except StoreError as exc:
             return fail(str(exc))
-        if "{region}" not in config.learner_deployment:
+        if "{region}" not in config.learner_deployment and "{learner}" not in config.learner_deployment:
             wait_for_learner_deployment(config.learner_deployment)
         from flows.training_run import training_run
 

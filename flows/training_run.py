@@ -67,7 +67,7 @@ def learner_crash() -> str | None:
 
 def launch_learner(config: RunConfig, store: str, learner: str, region: str, epoch: int) -> UUID:
     fr = run_deployment(
-        config.learner_deployment.replace("{region}", region),
+        config.learner_deployment.replace("{region}", region).replace("{learner}", learner),
         parameters={
             "run_id": config.run_id,
             "learner": learner,

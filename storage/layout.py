@@ -11,7 +11,10 @@ Global bucket (written by the synchronizer and the driver)::
     runs/<run>/stop.json                                  # the driver asks learners to stop
     runs/<run>/drivers/<epoch:06d>.json                   # a driver's claim (each run or resume)
     runs/<run>/drivers/<epoch:06d>/beat-<seq:08d>         # its heartbeat (the newest two kept)
-    runs/<run>/probes/<token>                             # a driver's create-only check, deleted at once
+
+Any bucket a driver checks before a run writes there (storage.probe)::
+
+    probes/<token>                                        # written twice, create-only, deleted at once
 
 Regional bucket (written by that region's learners)::
 
@@ -60,8 +63,8 @@ def beat_key(run: str, epoch: int, seq: int) -> str:
     return drivers_prefix(run) + f"{epoch:06d}/beat-{seq:08d}"
 
 
-def probe_key(run: str, token: str) -> str:
-    return f"runs/{run}/probes/{token}"
+def probe_key(token: str) -> str:
+    return f"probes/{token}"
 
 
 def round_prefix(run: str, round_: int) -> str:

@@ -85,14 +85,23 @@ class FolderStore(ObjectStore):
     def _list(self, prefix: str, start_after: str | None) -> Iterator[tuple[str, int]]:
         """Files under the folder `prefix`; unfinished writes are not objects."""
         top = self._path(prefix) if prefix else self.root
-        for folder, _, names in os.walk(top):
-            for name in names:
-                if not name.startswith(TEMPORARY):
-                    path = Path(folder) / name
-                    yield path.relative_to(self.root).as_posix(), path.stat().st_size
+        found = [
+            Path(folder) / name for folder, _, names in os.walk(top) for name in names if not name.startswith(TEMPORARY)
+        ]
+        for key, path in sorted((p.relative_to(self.root).as_posix(), p) for p in found):  # in key order, as S3 lists
+            yield key, path.stat().st_size
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        """The file, and the folders it leaves empty: as on S3, no folder outlives its last key."""
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        for folder in path.parents:
+            if folder == self.root or not folder.is_relative_to(self.root):
+                return
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): the folders above are not empty either
+                return
 
 
 _MEMORY: dict[str, bytes] = {}  # "<bucket path>/<key>" → bytes, for every memory:// store of the process

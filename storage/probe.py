@@ -15,10 +15,10 @@ from storage import layout
 from storage.store import ObjectStore, StoreError
 
 
-def check_create_only(store: ObjectStore, run: str) -> None:
+def check_create_only(store: ObjectStore) -> None:
     """Raise StoreError (one line) unless `store` keeps the first of two create-only writes of one
     key and refuses the second. The probe object is deleted again."""
-    key = layout.probe_key(run, secrets.token_hex(8))
+    key = layout.probe_key(secrets.token_hex(8))
     try:
         first = store.put_if_absent(key, b"first")
         second = store.put_if_absent(key, b"second")

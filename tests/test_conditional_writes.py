@@ -225,17 +225,17 @@ def test_the_probe_refuses_a_store_that_ignores_if_none_match(rclone):
     url, keys, data = rclone
     store = ObjectStore("s3://rc-global", {**keys, "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"}})
     with pytest.raises(StoreError) as refused:
-        check_create_only(store, "probe-run")
+        check_create_only(store)
     message = str(refused.value)
     assert "\n" not in message and message.startswith("s3://rc-global: a second create-only write")
     assert "If-None-Match" in message
-    assert not store.list(layout.run_prefix("probe-run"))  # the probe is gone again
+    assert store.list("probes/") == {}  # the probe is gone again
 
 
 def test_the_probe_passes_on_moto_and_on_a_folder(s3_bucket, tmp_path):
     for store in (ObjectStore(f"s3://{s3_bucket}"), ObjectStore(f"file://{tmp_path}/global")):
-        check_create_only(store, "probe-run")
-        assert store.list(layout.run_prefix("probe-run")) == {}
+        check_create_only(store)
+        assert store.list("probes/") == {}
 
 
 def test_islands_run_refuses_a_store_that_ignores_if_none_match_in_one_line(rclone):

@@ -25,6 +25,7 @@ from botocore.exceptions import ClientError
 from infra.iam import policy
 from infra.process import free_port, http_status, spawn, stop_group, wait_ready
 from storage import layout
+from storage.probe import check_create_only
 from storage.store import ObjectStore
 
 RUN = "iam-run"
@@ -215,7 +216,7 @@ def test_the_synchronizer_deletes_no_round_object_nor_the_runs_record(credential
 
 def test_the_synchronizer_collects_heartbeats_and_probes(credentials):
     sync = store(credentials, "synchronizer", "global")
-    for key in (layout.beat_key(RUN, 0, 3), layout.probe_key(RUN, "0123abcd")):
+    for key in (layout.beat_key(RUN, 0, 3), layout.probe_key("0123abcd")):
         assert sync.put_if_absent(key, b"")
         sync.delete(key)
         assert not sync.exists(key)
@@ -249,3 +250,7 @@ def test_object_lock_keeps_a_manifests_first_version_from_every_credential(crede
     assert kept["Body"].read() == b"the record"
     versions = client(credentials, "admin").list_object_versions(Bucket="iam-global", Prefix=key)["Versions"]
     assert len(versions) == 2
+
+
+def test_the_synchronizer_runs_the_create_only_probe(credentials):
+    check_create_only(store(credentials, "synchronizer", "global"))

@@ -159,7 +159,8 @@ class RunConfig(BaseModel):
         description="Keep each round's manifest and checkpoints under S3 Object Lock (compliance mode) for this many days, so that no credential, an admin's included, can delete or replace them before (empty: no lock). Needs an s3:// global bucket with Object Lock; the embedded one is given it.",
     )
     learner_deployment: str = Field(
-        "learner/local", description="Deployment that runs learners; '{region}' is replaced by the learner's region."
+        "learner/local",
+        description="Deployment that runs learners; '{region}' and '{learner}' are replaced by the learner's region and name (a deployment per learner can hold that learner's own credentials).",
     )
     learner_wait_s: float = Field(
         0.0, ge=0, description="Longest a learner waits for a newer round before training on (0: never)."
