@@ -16,7 +16,10 @@ fails outright gets a row saying so, and the suite goes on with the others (exit
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
 a suite stopped half-way keeps what it measured; the combined table prints at the end, with each
 part's time against its budget and the whole suite's time, which is reported, not judged: it
-follows the machine's speed. Each full-size part runs on a new embedded stack
+follows the machine's speed. The same table, every raw figure and setting, stamped with the
+commit, the date, the machine and the wall time, then go to `--results`
+(benchmarks/results/latest.md and latest.json; benchmarks.record says how a part run alone
+replaces its own section and keeps the others'). Each full-size part runs on a new embedded stack
 unless it reads the runs of the part before it (`keeps_stack`).
 """
 
@@ -37,6 +40,7 @@ from benchmarks import (
     pipeline,
     prefect_start,
     quality,
+    record,
     s3_endpoint,
     scaling,
     schedule,
@@ -62,6 +66,7 @@ BENCHMARKS = {
     "dataplane": dataplane.run,
 }
 SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane")
+ORDER = [*SUITE, *(name for name in BENCHMARKS if name not in SUITE)]  # of the results file's sections
 PART_MINUTES, QUICK_MINUTES = 25, 3
 
 
@@ -121,9 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=Path(".islands/bench"), help="where each part's report is written as it finishes"
     )
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=record.RESULTS,
+        help="where latest.md and latest.json are kept: this run replaces its parts' sections, keeps the others",
+    )
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    try:
+        record.read(args.results)  # before the run, not after it: a file it cannot update stops nothing measured
+    except record.ResultsFileError as exc:
+        p.exit(2, f"python -m benchmarks: error: {exc}\n")
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.only or list(SUITE)
+    run = record.stamp(argv, args.quick, names)
     results, failed, t0, previous = [], False, time.monotonic(), None
     for name in names:
         if not keeps_stack(previous, name, args.quick):
@@ -144,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[benchmarks] {name} finished in {res.seconds:.0f} s; report in {args.out}", file=sys.stderr, flush=True)
     total_s = time.monotonic() - t0
     print_report([*results, time_budget(results, total_s, args.quick)], args.quick)
+    run = record.finish(run, total_s, run_time(total_s, args.quick, whole_suite(results)))
+    run["parts"] = [record.part(r, part_time(r, args.quick)) for r in results]
+    record.write(args.results, run, ORDER)
+    print(
+        f"[benchmarks] {total_s / 60:.1f} minutes in all; results in {args.results / 'latest.md'} and latest.json",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1 if failed else 0
 
 

@@ -29,7 +29,8 @@ def test_table_rows_say_yes_or_no_against_their_bar():
 
 def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane", "--out", str(tmp_path)]
+        + ["--results", str(tmp_path / "results")],
         capture_output=True,
         text=True,
         timeout=600,
@@ -47,13 +48,17 @@ def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
         assert re.search(r"\d", bar) and holds in ("yes", "no")
     assert "raw:" in proc.stdout and "settings:" in proc.stdout
     assert (tmp_path / "dataplane-quick.md").read_text().startswith("| benchmark |")  # written as it finished
+    written = (tmp_path / "results" / "latest.md").read_text()
+    assert all(row in written for row in rows)  # the results file holds the printed table
+    assert json.loads((tmp_path / "results" / "latest.json").read_text())["runs"][0]["parts"][0]["name"] == "dataplane"
 
 
 def test_a_live_runs_schedule_replayed_with_its_own_codecs_rebuilds_its_model_bit_for_bit(tmp_path):
     """codec_live replays each of two pipeline runs from its objects alone (benchmarks.retrace):
     with the run's own codecs, the replay must land on the published model exactly."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "codec_live", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "codec_live", "--out", str(tmp_path)]
+        + ["--results", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -87,7 +92,7 @@ def test_a_part_that_fails_keeps_the_time_it_spent(tmp_path, monkeypatch):
         raise RuntimeError("round 1 had nothing in")
 
     monkeypatch.setitem(suite.BENCHMARKS, "dataplane", broken)
-    assert suite.main(["--quick", "--only", "dataplane", "--out", str(tmp_path)]) == 1
+    assert suite.main(["--quick", "--only", "dataplane", "--out", str(tmp_path), "--results", str(tmp_path)]) == 1
     report = (tmp_path / "dataplane-quick.md").read_text()
     assert "| dataplane: did not complete | n/a | runs | no |" in report
     assert "RuntimeError: round 1 had nothing in" in report
@@ -114,7 +119,7 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
 
     monkeypatch.setattr(suite.pipeline, "new_stack", lambda: calls.append("new stack"))
     monkeypatch.setattr(suite, "BENCHMARKS", {name: part(name) for name in suite.SUITE})
-    assert suite.main(["--out", str(tmp_path)]) == 0
+    assert suite.main(["--out", str(tmp_path), "--results", str(tmp_path)]) == 0
     assert calls == [
         "new stack",
         "quality",
@@ -129,7 +134,7 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
         "dataplane",
     ]
     calls.clear()
-    assert suite.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert suite.main(["--quick", "--out", str(tmp_path), "--results", str(tmp_path)]) == 0
     assert calls == list(suite.SUITE)
 
 
