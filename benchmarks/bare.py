@@ -38,8 +38,8 @@ def main() -> None:
 
 def side_by_side(learners: int, steps: int, inner_steps: int, min_step_s: float = 0.0, seed: int = 0) -> list[dict]:
     """Every learner's `train` at once, each in a fork of this process, as the pipeline's learners
-    are forks of the learner runner's fork server: one interpreter's imports (about 2.4 s of a
-    core for torch and torch._dynamo), not one per learner. Only for a process that has run
+    are forks of the learner runner's fork server: one interpreter's imports of torch and
+    torch._dynamo, not one per learner. Only for a process that has run
     nothing on torch's threads yet (this module's command line): a fork of one that has can hang
     in them."""
     ctx = multiprocessing.get_context("fork")

@@ -5,8 +5,8 @@ int3 updates), and with int4 deltas and int2 updates, at the wire part's budget 
 The wire part compares two pipeline runs whose rounds close on whatever has arrived, so their
 round counts differ with timing and the loss ratio swings by more than the 0.5% bar; here the
 learners, data and schedule are the same, and only the codecs differ. One schedule is not
-enough: int2 updates cost 0.1% on the default one and 0.8% when rounds reach the learners
-sooner, so each pair runs on three. An ablation beside the suite, like `schedule`:
+enough: what int2 updates cost changes with how soon rounds reach the learners, so each pair runs
+on three. An ablation beside the suite, like `schedule`:
 `python -m benchmarks --only codec`. `run_live` (`--only codec_live`) holds the pipeline's own
 schedules fixed instead: the wire part's two runs, each replayed on its own (benchmarks.retrace).
 """

@@ -6,18 +6,17 @@ DiLoCo under the same faults: the same pipeline waiting for every learner (Q_min
 waiting for each round (no rebase), and a round timeout so a dead learner cannot stall it for ever:
 twice the slow learner's phase at its floor, and at least 12 s (`round_timeout_s`), so only the
 dead one is given up on, and longer than the learners take to start and send their first deltas,
-since round 1's clock runs while they do (at --quick's sizes round 1 closed after 6.0 s with
-every delta in, its timeout 12 s). Both take longer on a slower machine: a fixed 20 s, below
-a slow phase of 19.6 s on a day when a full-speed step took 0.196 s instead of 0.11, failed
-round 1 with nothing in.
+since round 1's clock runs while they do. Both take longer on a slower machine, so the timeout
+follows the step time measured before the runs: a fixed one failed round 1 with nothing in on a
+day the machine was slow.
 
 Each learner's rate is capped at 0.3 of its full speed: an inner step (1 thread) takes at least
-3.3× the time one step takes at full speed, measured with the learner alone on the machine before
+1/0.3 times what one step takes at full speed, measured with the learner alone on the machine before
 the runs (`min_step_s`). Four learners then need 1.2 of the two cores; the synchronizer, moto and
 the Prefect server have the other 0.8, so all of it fits on the machine. A killed or slowed
 learner removes its share instead of speeding the others up: lost compute shows as lost time.
-(At a cap of 0.4, the 0.4 of a core left was too little: learners ran at about three quarters of
-their floor's rate inside phases, and a killed learner's share went to the others.)
+A higher cap leaves the rest too little of the machine, and a killed learner's share goes to the
+others.
 """
 
 from __future__ import annotations

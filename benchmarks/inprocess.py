@@ -59,9 +59,8 @@ def train_data_parallel(budget: Budget, seed: int, procs: int = 1) -> tuple[dict
     """`data_parallel`, as data-parallel training runs: procs > 1 trains it in that many spawned
     ranks of one thread each (torch.distributed, gloo on loopback), every rank on its slice of
     each batch and DDP averaging the gradients. That is the one-process model within float
-    rounding (under 1e-5 after AdamW's first steps, tests/test_inprocess.py), and on 2 cores about
-    1.15× sooner a step than one process of two threads (0.34–0.35 against 0.39–0.42 s over 100
-    steps, the ranks' 4 s start aside), the tiny model's matmuls parallelising badly across threads."""
+    rounding (tests/test_inprocess.py), and on 2 cores sooner a step than one process of two
+    threads, the tiny model's matmuls parallelising badly across threads."""
     if procs < 1:
         raise ValueError(f"procs must be >= 1, got {procs}")
     if procs == 1:
@@ -243,9 +242,9 @@ def worker_reply(conn: Connection, worker: str = "a learner worker"):
 
 def sync_procs(budget: Budget) -> int:
     """Processes for the suite's sync DiLoCo learners and data-parallel ranks. On this tiny model
-    two processes of one thread each step about 1.17× faster than one process of two threads
-    (0.072 against 0.085 s a learner-step), its matmuls parallelising badly across threads;
-    starting and stopping them costs about 2.3 s, more than that saves at --quick's ten steps."""
+    two processes of one thread each step faster than one process of two threads, its matmuls
+    parallelising badly across threads; starting and stopping them costs more than that saves at
+    --quick's ten steps."""
     return min(2, os.cpu_count() or 1) if budget.steps >= 100 else 1
 
 

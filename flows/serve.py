@@ -7,7 +7,7 @@ the schema forbids (enforce_parameter_schema). The embedded stack's learner runn
 module run as `python -m flows.serve`: it serves the learner deployment alone.
 
 Each flow run is a fork of one warm process that has imported torch, Prefect and the flows
-already, not a fresh interpreter that imports them again (3.5 s of a core per learner).
+already, not a fresh interpreter that imports them again for every learner.
 
 On clusters the same flows are deployed to work pools instead (infra/prefect.yaml).
 """
@@ -36,9 +36,9 @@ DEPLOYMENT = "local"
 # Runs this machine may execute at once: every learner of a run plus its driver.
 RUN_LIMIT = 64
 # What the fork server imports once, so that a flow run starts in a fraction of a second.
-# torch._dynamo (with sympy) is imported by torch.optim when a learner builds its optimizer:
-# 1.3 s of a core per learner if each fork imported it again. s3fs (with aiobotocore and
-# aiohttp) is imported by fsspec when a learner opens its first store: 0.5 s of a core.
+# torch._dynamo (with sympy) is imported by torch.optim when a learner builds its optimizer, and
+# s3fs (with aiobotocore and aiohttp) by fsspec when a learner opens its first store: each fork
+# would import them again.
 PRELOAD = ["flows.learner", "flows.outer_round", "flows.training_run", "torch._dynamo", "s3fs"]
 
 

@@ -1,5 +1,7 @@
 """The training-run flow (the driver): create or continue a run, launch learners, run outer
 rounds until the last one, the target loss or the token budget, stop the learners, report.
+Learners and synchronizer meet only in object storage, never in a collective: Decoupled DiLoCo
+(arXiv 2604.21428) run as Prefect flows.
 
 Learners are flow runs of a deployment, so on a cluster each runs in its region's work pool and
 on one machine the local runner starts them as processes — the same call either way.

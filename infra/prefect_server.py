@@ -65,8 +65,7 @@ class PrefectServer:
         """Start the server without waiting; returns the API URL it will answer on.
 
         env must carry PREFECT_HOME. Split from `wait` so the caller can start other
-        servers while this one boots (about 7 s on two cores on a fresh database, 3 s on one
-        already migrated).
+        servers while this one boots (seconds, most of it migrating a fresh database).
         """
         self._db = prefect_db.prepare(env)
         port = free_port()

@@ -86,7 +86,7 @@ class QuorumSettings(_Section):
     grace_fraction: float | None = Field(
         0.5,
         ge=0,
-        description="The grace is also at most this fraction of the median recent phase time (empty: grace_max_s alone).",
+        description="The grace is also at most this fraction of the median recent phase time (null, e.g. left empty in the UI form: grace_max_s alone).",
     )
     round_timeout_s: float = Field(
         600.0,

@@ -1,7 +1,7 @@
 """A learner's inner loop: H AdamW steps from a published checkpoint, returned as a pseudo-gradient.
 
 The AdamW state, the step count and the data position live across phases and are never reset
-(DiLoCo keeps the inner optimizer local); state_dict() lets them survive a restart bit for bit.
+(DiLoCo, arXiv 2311.08105, keeps the inner optimizer local); state_dict() lets them survive a restart bit for bit.
 
 Inside a region with several GPUs the trainer runs as one torch.distributed job (`ddp=True`, one
 process per GPU under torchrun): every rank draws the same batch and trains on its own slice of it,

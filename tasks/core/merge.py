@@ -1,5 +1,10 @@
 """The merge rule and the outer optimizer (docs/architecture.md, "An outer round"), as pure functions of their inputs.
 
+The outer step is DiLoCo's Nesterov momentum on the averaged pseudo-gradient (arXiv 2311.08105).
+Deltas that arrive a few rounds late are weighted down by their staleness, as asynchronous
+Local-SGD must (arXiv 2401.09135), and the average is weighted by the tokens each learner trained,
+so a round merges whatever quorum has arrived (Decoupled DiLoCo, arXiv 2604.21428).
+
 Weights are Python floats (float64) and deltas are accumulated in float64 in a fixed order, so
 replaying a round from the same deltas gives the same bits.
 

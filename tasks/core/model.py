@@ -136,8 +136,8 @@ def skeleton(config: GPTConfig) -> GPT:
 @lru_cache(maxsize=4)
 def _meta_gpt(config: GPTConfig) -> GPT:
     """Built on the CPU once and emptied: built on the meta device, its initialisation would run
-    nn.init.normal_'s Python reference, whose first call imports torch._dynamo (1.2 s of a core,
-    on the way from a run's start to its first evaluation)."""
+    nn.init.normal_'s Python reference, whose first call imports torch._dynamo: a second of CPU on the
+    way from a run's start to its first evaluation, spent for nothing."""
     with torch.random.fork_rng(devices=[]):
         return GPT(config).to_empty(device="meta")
 

@@ -3,7 +3,7 @@
 A learner at a third of the others' rate that also trains H steps sends one delta for every
 three of theirs, a third of a phase behind on average, so rounds close on partial quorums and
 its deltas arrive stale under the outer momentum. Scaling its phase to H × its rate / the fastest
-rate (dynamic local updates) makes every phase take about as long, so its deltas come as often
+rate (dynamic local updates, Async Local-SGD's DyLU, arXiv 2401.09135) makes every phase take about as long, so its deltas come as often
 as everyone else's and fresh, as in synchronous DiLoCo, while nobody waits. Token weighting
 already gives its shorter phases their smaller share.
 

@@ -102,7 +102,7 @@ class Check:
         return abs(self.ours - self.published) <= self.tolerance * abs(self.published)
 
 
-# Streaming DiLoCo's 10B table (REFERENCES.md) states: 10B parameters, H=100, 60% MFU, 95% compute
+# Streaming DiLoCo's 10B table (arXiv 2501.18512) states: 10B parameters, H=100, 60% MFU, 95% compute
 # utilization. It does not state the step time, the number of replicas, the fragment count or
 # the overlap window, so only what does not depend on them can be checked.
 PAPER_DP_GBPS, PAPER_DILOCO_GBPS, PAPER_STREAMING_FP4_GBPS = 268.3, 33.9, 1.4

@@ -2,6 +2,9 @@
 
 Nothing here sleeps or reads the time, so a scripted timeline tests it exactly and the caller keeps
 control of waiting (it can sleep until `recheck_at` or until the next delta lands).
+
+Closing on a quorum or a deadline instead of on every learner is what decouples the regions:
+a slow or dead one never stalls the rest (Decoupled DiLoCo, arXiv 2604.21428).
 """
 
 import statistics
