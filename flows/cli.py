@@ -78,7 +78,12 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--checkpoint-bits", type=int, default=32, help="bits per value of the checkpoint learners download"
     )
-    pl.add_argument("--overlap", type=int, help="steps of compute a decoupled transfer hides behind (default: H)")
+    pl.add_argument(
+        "--overlap", type=int, help="τ: steps of compute a transfer (a fragment's) hides behind (default: H/F)"
+    )
+    pl.add_argument(
+        "--fragments", type=int, default=1, help="F: send the model in F fragments, one every H/F steps (streamed)"
+    )
     pl.add_argument("--utilization", type=float, default=0.95, help="target compute utilization, e.g. 0.95")
     pl.add_argument("--link-gbps", type=float, default=2.0, help="link for the checkpoint transfer time")
     pl.add_argument("--check", action="store_true", help="compare with published figures instead")
@@ -394,9 +399,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             utilization=args.utilization,
             delta_bits=args.bits,
             checkpoint_bits=args.checkpoint_bits,
-            overlap_steps=args.inner_steps if args.overlap is None else args.overlap,
+            overlap_steps=args.inner_steps // max(args.fragments, 1) if args.overlap is None else args.overlap,
         )
-        print("\n".join(report(w, args.link_gbps, args.checkpoint_bits)))
+        print("\n".join(report(w, args.link_gbps, args.checkpoint_bits, args.fragments)))
     except ValueError as exc:
         return fail(f"plan: {exc}")
     return 0
