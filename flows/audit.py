@@ -36,12 +36,13 @@ from flows.witness import Witness
 from storage import layout
 from storage.codec import CodecError, decode, decode_state, encode_state, encode_wire, packed, read_header
 from storage.manifest import Contribution, Manifest, ObjectRef
+from storage.model_files import local_model
 from storage.rounds import checkpoint_metadata, object_header, read_config, read_evaluation
 from storage.store import AccessDenied, IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
 from tasks.core.compress import residual_state, split_residual
 from tasks.core.config import MergeSettings
 from tasks.core.merge import Candidate, apply_update, encode_update, merge_round, plan_merge
-from tasks.core.model import PRESETS, build_model
+from tasks.core.model import build_model, params_of, skeleton, vocab_and_context
 
 LEDGER = ("trained", "applied", "dropped", "pending", "lost")
 RULE_FIELDS = ("outer_lr", "outer_momentum", "staleness_lambda", "max_staleness", "token_cap")
@@ -366,10 +367,8 @@ class _Audit:
     def replay_round(self, current: _Round, parent: _Round | None) -> None:
         r, m = current.round, current.manifest
         if r == 0:
-            initial = build_model(self.config.model, self.config.seed).state_dict()
-            if self.same_bits(
-                r, m.model, _as_published(current.model, {k: v.detach().clone() for k, v in initial.items()})
-            ):
+            initial = params_of(build_model(local_model(self.config.model), self.config.seed))
+            if self.same_bits(r, m.model, _as_published(current.model, initial)):
                 self.report.replayed += 1
             return
         unverified = (parent.model, current.model, current.outer, current.update) if parent is not None else (None,)
@@ -454,7 +453,8 @@ class _Audit:
                 parsed = layout.parse_delta_key(key)
                 if parsed is not None and key not in self.named:
                     self.books[parsed[0]]["pending"] += self.pending_claim(store, key)
-        tokens_per_step = self.config.inner.batch_size * PRESETS[self.config.model].block_size
+        context = vocab_and_context(skeleton(local_model(self.config.model), self.config.seed))[1]
+        tokens_per_step = self.config.inner.batch_size * context
         regions = {name: region for name, region, _ in self.config.learners()}
         for learner in sorted(set(regions) | set(self.books)):
             row = self.books[learner]

@@ -47,7 +47,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--min-quorum", type=int, help="Q_min")
     run.add_argument("--store", help="bucket URL template, e.g. s3://islands-{bucket} or file:///data/islands/{bucket}")
     run.add_argument("--corpus", help="fsspec URL or glob of the training text (default: stdlib)")
-    run.add_argument("--model", help="tiny or small")
+    run.add_argument(
+        "--model", help="tiny, small, a Hugging Face model folder or config.json, or python:module:function"
+    )
     run.add_argument("--codec", help="fp32, bf16, int8, int4, int3 or int2")
     run.add_argument(
         "--speed", type=_speed, action="append", metavar="REGION=FACTOR", help="slow a region down (repeatable)"
@@ -112,6 +114,11 @@ def parser() -> argparse.ArgumentParser:
     aud.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
     aud.add_argument("--replay", action="store_true", help="also recompute every merge and compare the bits")
     aud.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    exp = sub.add_parser("export", help="write a round as files transformers (or safetensors) loads")
+    exp.add_argument("run_id")
+    exp.add_argument("out", metavar="OUT", help="folder or fsspec URL (e.g. s3://bucket/models/run-1) to write to")
+    exp.add_argument("--round", type=int, help="the round to export (default: the newest)")
+    exp.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
     return p
 
 
@@ -261,8 +268,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id()})
-    problem = check_faults(config, args.chaos or [])
+    problem = check_faults(config, args.chaos or []) or check_model_spec(config)
     return fail(problem) if problem else execute(config, args.json, args.chaos)
+
+
+def check_model_spec(config: RunConfig) -> str | None:
+    """What is wrong with the run's `model`, before anything is written (tasks.core.model.check_model)."""
+    from storage.model_files import local_model
+    from tasks.core.model import ModelError, check_model
+
+    try:
+        check_model(local_model(config.model))
+    except ModelError as exc:
+        return str(exc)
+    return None
 
 
 def check_faults(config: RunConfig, chaos: list[str]) -> str | None:
@@ -278,18 +297,27 @@ def check_faults(config: RunConfig, chaos: list[str]) -> str | None:
     return None
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
+def open_run(scope: ExitStack, run_id: str, store: str | None) -> tuple[str, RunConfig]:
+    """(the bucket template, the config) of an existing run, the embedded stack brought up when
+    no store is given; ConfigError when there is no such run."""
     from storage.rounds import read_config
     from storage.store import ObjectMissing, StoreError, Stores
 
+    if store is None:
+        os.environ.update(bring_up(scope, ["islands-global"])[0])
+    template = store or "s3://islands-{bucket}"
+    try:
+        return template, read_config(Stores(template, []).global_, run_id)
+    except (ObjectMissing, StoreError) as exc:
+        raise ConfigError(f"{run_id}: no such run in {template} ({exc})") from exc
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
     with ExitStack() as scope:
-        if args.store is None:
-            os.environ.update(bring_up(scope, ["islands-global"])[0])
-        template = args.store or "s3://islands-{bucket}"
         try:
-            config = read_config(Stores(template, []).global_, args.run_id)
-        except (ObjectMissing, StoreError) as exc:
-            return fail(f"{args.run_id}: no such run in {template} ({exc})")
+            _, config = open_run(scope, args.run_id, args.store)
+        except ConfigError as exc:
+            return fail(str(exc))
     problem = check_faults(config, [])
     return fail(problem) if problem else execute(config, args.json)
 
@@ -365,23 +393,37 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     """Exit 0 when every check holds, 1 naming each round and object that does not."""
     from flows.audit import audit_run
-    from storage.rounds import read_config
-    from storage.store import ObjectMissing, StoreError, Stores
+    from storage.store import Stores
 
     with ExitStack() as scope:
-        if args.store is None:
-            os.environ.update(bring_up(scope, ["islands-global"])[0])
-        template = args.store or "s3://islands-{bucket}"
         try:
-            regions = read_config(Stores(template, []).global_, args.run_id).regions
-        except (ObjectMissing, StoreError) as exc:
-            return fail(f"{args.run_id}: no such run in {template} ({exc})")
+            template, config = open_run(scope, args.run_id, args.store)
+        except ConfigError as exc:
+            return fail(str(exc))
         from flows.witness import read_witness
 
-        stores = Stores(template, regions)
+        stores = Stores(template, config.regions)
         report = audit_run(stores, args.run_id, args.replay, read_witness(args.run_id, stores.global_.url))
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0 if report.ok else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Exit 0 once OUT holds the round, 2 when OUT, the run or the round is not usable (nothing written)."""
+    from flows.export import ExportError, export_round
+    from storage.store import IntegrityError, Stores
+    from tasks.core.model import ModelError
+
+    with ExitStack() as scope:
+        try:
+            template, _ = open_run(scope, args.run_id, args.store)
+            manifest, names = export_round(Stores(template, []), args.run_id, args.round, args.out)
+        except IntegrityError as exc:
+            return fail(f"{args.run_id}: the checkpoint does not match its manifest, nothing written ({exc})", 1)
+        except (ConfigError, ExportError, ModelError) as exc:
+            return fail(str(exc))
+    print(f"islands: round {manifest.round} of {args.run_id} written to {args.out}: {', '.join(names)}")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -417,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": cmd_status,
         "audit": cmd_audit,
         "plan": cmd_plan,
+        "export": cmd_export,
     }
     try:
         return commands[args.command](args)

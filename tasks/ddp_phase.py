@@ -19,15 +19,16 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from storage.corpus import STDLIB, read_corpus
+from storage.model_files import local_model
 from tasks.core.config import InnerSettings
 from tasks.core.data import BatchSampler, split_held_out
 from tasks.core.inner import InnerTrainer
-from tasks.core.model import build_model
+from tasks.core.model import build_model, params_of, vocab_and_context
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tasks.ddp_phase", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="model preset")
+    p.add_argument("--model", default="tiny", help="the run's model: a preset, an HF folder or config.json, python:...")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
     p.add_argument("--corpus", default=STDLIB, help="fsspec URL or glob of the training text")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all ranks together")
@@ -41,11 +42,11 @@ def train_phase(args: argparse.Namespace, distributed: bool) -> None:
     """Train one phase; rank 0 writes the delta. Returns only when every rank is done with the group."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    model = build_model(args.model, args.seed)
+    model = build_model(local_model(args.model), args.seed)
     train, _ = split_held_out(read_corpus(args.corpus))
-    sampler = BatchSampler(train, args.batch_size, model.config.block_size, seed=args.seed)
+    sampler = BatchSampler(train, args.batch_size, vocab_and_context(model)[1], seed=args.seed)
     trainer = InnerTrainer(model, sampler, InnerSettings(), device, ddp=distributed)
-    base = load_file(args.base) if args.base else {k: v.clone() for k, v in model.state_dict().items()}
+    base = load_file(args.base) if args.base else params_of(model)
     result = trainer.run_phase(base, args.steps)
     if trainer.rank == 0:
         meta = {

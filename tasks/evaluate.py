@@ -18,23 +18,22 @@ from prefect.cache_policies import NO_CACHE
 
 from storage import layout
 from storage.manifest import Evaluation, Manifest
+from storage.model_files import local_model
 from storage.rounds import get_tensors, read_evaluation
 from storage.store import ObjectStore
 from tasks.core.config import RunConfig
 from tasks.core.data import evaluate
-from tasks.core.model import PRESETS, skeleton
+from tasks.core.model import assign_params, skeleton, vocab_and_context
 from tasks.round_state import held_out_batches
 
 
 def held_out_loss(config: RunConfig, params: dict[str, torch.Tensor]) -> float:
     """Held-out loss of θ; the model is built without weights and takes θ's tensors as its own,
     so θ is not copied."""
-    preset = PRESETS[config.model]
-    model = skeleton(preset)
-    model.load_state_dict(params, assign=True)
-    return evaluate(
-        model, held_out_batches(config.corpus, config.inner.batch_size, preset.block_size, config.eval_batches)
-    )
+    model = skeleton(local_model(config.model), config.seed)
+    assign_params(model, params)
+    _, context = vocab_and_context(model)
+    return evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, context, config.eval_batches))
 
 
 def commit_evaluation(store: ObjectStore, evaluation: Evaluation) -> float:

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from storage import layout
 from storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
+from storage.model_files import local_model
 from storage.rounds import checkpoint_metadata, put_encoded, put_tensors, put_update, read_manifest
 from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.collect import Collected
@@ -82,8 +83,7 @@ def commit(store: ObjectStore, manifest: Manifest) -> Published:
 def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     """Round 0: the seeded initial model, its held-out loss (if the run evaluates round 0), no
     momentum yet."""
-    model = build_model(config.model, config.seed)
-    params = params_of(model)
+    params = params_of(build_model(local_model(config.model), config.seed))
     store = round_store(config, stores)
     ref = put_tensors(store, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
     loss = held_out_loss(config, params) if config.evaluates(0, 0) else None

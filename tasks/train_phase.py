@@ -35,6 +35,7 @@ from storage.codec import decode, decode_state, encode_state, encode_wire
 from storage.corpus import read_corpus
 from storage.lease import Watch
 from storage.manifest import Manifest, ObjectRef
+from storage.model_files import local_model
 from storage.rounds import checkpoint_metadata, newest_round_from, read_manifest, stop_requested
 from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.core.compress import compress_with_feedback, residual_state, split_residual
@@ -42,7 +43,7 @@ from tasks.core.config import RunConfig
 from tasks.core.data import BatchSampler, shard, split_held_out
 from tasks.core.inner import InnerTrainer, carried
 from tasks.core.merge import apply_update
-from tasks.core.model import build_model, params_of
+from tasks.core.model import build_model, params_of, vocab_and_context
 from tasks.core.pace import phase_steps
 from tasks.crash import crash_point
 from tasks.follow import Held, RoundFollower
@@ -113,12 +114,11 @@ class LearnerSession:
         region = next(r for name, r, _ in config.learners() if name == learner)
         torch.set_num_threads(config.threads_per_learner())
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = build_model(config.model, config.seed).to(device)
+        model = build_model(local_model(config.model), config.seed).to(device)
+        _, context = vocab_and_context(model)
         train, _ = split_held_out(read_corpus(config.corpus))
-        data = shard(train, index[learner], config.num_learners, block_size=model.config.block_size)
-        sampler = BatchSampler(
-            data, config.inner.batch_size, model.config.block_size, seed=config.seed * 1000 + index[learner]
-        )
+        data = shard(train, index[learner], config.num_learners, block_size=context)
+        sampler = BatchSampler(data, config.inner.batch_size, context, seed=config.seed * 1000 + index[learner])
         trainer = InnerTrainer(model, sampler, config.inner, device=device)
         session = cls(config, run, learner, region, stores, trainer, device=device)
         session.restore()
@@ -184,7 +184,7 @@ class LearnerSession:
     def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
         warm-started run's does not): a region downloads no model it can make itself."""
-        params = params_of(build_model(self.config.model, self.config.seed))
+        params = params_of(build_model(local_model(self.config.model), self.config.seed))
         encoded = encode_state(params, checkpoint_metadata(self.run, 0))
         return params if sha256_hex(encoded) == manifest.model.sha256 else None
 

@@ -129,7 +129,10 @@ class RunConfig(BaseModel):
         description="Stop early once the rounds have merged this many trained tokens into the global model (empty: no budget).",
     )
     inner_steps: int = Field(50, description="H: inner steps per phase between two deltas.")
-    model: Literal["tiny", "small"] = Field("tiny", description="Model preset: tiny (~0.9M params) or small (~11M).")
+    model: str = Field(
+        "tiny",
+        description="The model: a preset, tiny (~0.9M params) or small (~11M); a Hugging Face model folder or config.json (a path, file:// or s3://), built from the seed or, when the folder has weights, loaded; or python:package.module:function, a factory returning a torch.nn.Module whose forward(input_ids, labels) returns the loss.",
+    )
     corpus: str = Field(
         "stdlib", description="fsspec URL or glob of the training text; 'stdlib' = Python's own sources."
     )

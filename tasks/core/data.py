@@ -6,7 +6,7 @@ and restored, so a learner that restarts sees exactly the batches it would have 
 
 import torch
 
-from tasks.core.model import autocast_context, loss_of
+from tasks.core.model import autocast_context, causal_loss
 
 
 def split_held_out(data: bytes, fraction: float = 0.05) -> tuple[bytes, bytes]:
@@ -91,7 +91,7 @@ def evaluate(
         total = 0.0
         for x, y in batches:
             with autocast_context(device):
-                loss = loss_of(model(x.to(device), y.to(device)))
+                loss = causal_loss(model, x.to(device), y.to(device))
             total += loss.item()
     finally:
         model.train(was_training)

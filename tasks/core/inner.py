@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tasks.core.config import InnerSettings
 from tasks.core.data import BatchSampler
-from tasks.core.model import GPT, autocast_context, loss_of
+from tasks.core.model import autocast_context, causal_loss, load_params, synced
 
 
 def _ddp_rank(batch_size: int) -> tuple[int, int]:
@@ -66,7 +66,7 @@ class PhaseResult:
 class InnerTrainer:
     def __init__(
         self,
-        model: GPT,
+        model: torch.nn.Module,
         sampler: BatchSampler,
         cfg: InnerSettings,
         device: torch.device = torch.device("cpu"),
@@ -77,7 +77,7 @@ class InnerTrainer:
     ):
         self.model = model.to(device)
         self.rank, self.world_size = _ddp_rank(sampler.batch_size) if ddp else (0, 1)
-        # The module that trains: DDP all-reduces its gradients; self.model stays the plain GPT.
+        # The module that trains: DDP all-reduces its gradients; self.model stays the plain model.
         self.net = (
             DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
             if ddp
@@ -90,7 +90,7 @@ class InnerTrainer:
         self.sleep = sleep
         self.step = 0
         self.lr_offset = 0  # catch_up's lead (or lag) of the schedule against the steps trained
-        named = list(model.named_parameters())
+        named = synced(model)  # frozen and integer parameters are not trained
         # Weight decay on matrices and embeddings only, not on LayerNorm gains (nanoGPT).
         decay = [(n, p) for n, p in named if p.dim() >= 2]
         no_decay = [(n, p) for n, p in named if p.dim() < 2]
@@ -183,21 +183,18 @@ class InnerTrainer:
 
     def begin(self, base: dict[str, torch.Tensor]) -> None:
         """Load `base` as the local weights: a phase starts here."""
-        self.model.load_state_dict(base)
+        load_params(self.model, base)
         self.model.train()
 
     @torch.no_grad()
     def delta(self, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """base − local weights in float32 on the CPU: the phase's pseudo-gradient so far."""
-        return {
-            name: (base[name].to(p.device, torch.float32) - p.float()).cpu()
-            for name, p in self.model.named_parameters()
-        }
+        return {name: (base[name].to(p.device, torch.float32) - p.float()).cpu() for name, p in synced(self.model)}
 
     @torch.no_grad()
     def shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
         """Local weights += newer − base: the phase's progress so far, carried onto `newer`."""
-        for name, p in self.model.named_parameters():
+        for name, p in synced(self.model):
             p.add_(newer[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
 
     def train_step(self) -> float:
@@ -209,11 +206,11 @@ class InnerTrainer:
         if self.world_size > 1:
             x, y = x.chunk(self.world_size)[self.rank], y.chunk(self.world_size)[self.rank]
         with autocast_context(self.device):
-            loss = loss_of(self.net(x.to(self.device), y.to(self.device)))
+            loss = causal_loss(self.model, x.to(self.device), y.to(self.device), self.net)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for _, p in synced(self.model)], self.cfg.grad_clip)
         self.optimizer.step()
         self.step += 1
         if self.world_size > 1:

@@ -1,15 +1,30 @@
-"""A byte-level decoder-only transformer, small enough to train on a laptop CPU.
+"""The models a run trains, all built by `build_model(spec, seed)`:
 
-Bytes are the vocabulary (256 tokens), so any text trains without a tokenizer. The input and output
-embeddings are separate tensors: weight tying would make two state-dict keys share storage, which
-safetensors refuses to write.
+- `tiny`, `small`: a byte-level decoder-only transformer, small enough to train on a laptop CPU.
+  Bytes are the vocabulary (256 tokens), so any text trains without a tokenizer.
+- a Hugging Face model folder or its `config.json` (a local path here; `storage.model_files`
+  brings an `s3://` one to local disk first): `AutoModelForCausalLM.from_config` under the run's
+  seed, or `from_pretrained` when the folder holds weights (continued pre-training, as DiLoCo,
+  arXiv 2311.08105, starts from a pre-trained checkpoint).
+- `python:package.module:function`: a factory returning any `torch.nn.Module` whose
+  `forward(input_ids, labels)` returns the loss or an object with `.loss`. The module, or its
+  `.config`, names its vocabulary as `vocab_size` and its context as `block_size` (or
+  `max_position_embeddings`), which `vocab_and_context` reads.
+
+What is synced is a model's float parameters that require grad (`synced`), each once: tied
+weights (an HF model's input embedding and output head) are one parameter under its first name, so
+a checkpoint, delta or update stores it once (safetensors refuses shared storage) and the merge
+takes it once; `load_params` and `assign_params` tie it again. Buffers are rebuilt with the model.
 """
 
 import copy
+import importlib
 import math
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -118,33 +133,217 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_model(preset: str, seed: int) -> GPT:
-    """Same preset and seed give bit-identical weights; the global RNG is left as it was."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
+class ModelError(ValueError):
+    """A `model` that cannot be built, phrased as one line naming the field and what to do."""
+
+
+FACTORY = "python:"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def build_model(spec: str, seed: int) -> nn.Module:
+    """The model `spec` names (a preset, a local HF folder or config.json, or a python: factory).
+    The same spec and seed give bit-identical weights; the global RNG is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GPT(PRESETS[preset])
+        if spec in PRESETS:
+            return GPT(PRESETS[spec])
+        if spec.startswith(FACTORY):
+            return _from_factory(spec)
+        return _from_hf(spec)
 
 
-def skeleton(config: GPTConfig) -> GPT:
-    """A GPT of `config`'s shapes without weights (meta tensors), for a θ to be assigned to it
-    (load_state_dict(assign=True)) without a copy."""
-    return copy.deepcopy(_meta_gpt(config))
+def hf_folder(spec: str) -> tuple[Path, bool]:
+    """(the folder of an HF `spec`, whether its weights are to be loaded): a folder's weights are,
+    when it has them; a config.json alone is built from the seed."""
+    path = Path(spec.removeprefix("file://"))
+    if path.name == "config.json":
+        if not path.is_file():
+            raise ModelError(
+                f"model: {spec} does not exist; give a preset (tiny, small), a model folder or its config.json"
+            )
+        return path.parent, False
+    if not (path / "config.json").is_file():
+        raise ModelError(
+            f"model: {spec} is neither a preset ({', '.join(sorted(PRESETS))}), a python: factory, "
+            "nor a folder with a config.json; give one of those"
+        )
+    return path, any((path / name).is_file() for name in WEIGHTS)
+
+
+def hf_config(spec: str):
+    """The transformers config of an HF `spec`, or ModelError saying why it does not parse."""
+    from transformers import AutoConfig
+
+    folder, _ = hf_folder(spec)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelError(
+            f"model: {folder / 'config.json'} is not a transformers config ({reason}); fix or replace it"
+        ) from exc
+
+
+def _from_hf(spec: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    folder, weights = hf_folder(spec)
+    config = hf_config(spec)
+    try:
+        if weights:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelError(f"model: {folder} is not a causal language model transformers can build ({reason})") from exc
+
+
+def factory_of(spec: str):
+    """The function a `python:package.module:function` spec names, or ModelError."""
+    target = spec.removeprefix(FACTORY)
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ModelError(f"model: {spec!r} must be python:package.module:function, e.g. python:mymodels.gpt:build")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f"model: cannot import {module_name!r} ({exc}); install it or put it on PYTHONPATH") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelError(f"model: {module_name} has no function {attr!r}; name the function that returns the model")
+    return factory
+
+
+def _from_factory(spec: str) -> nn.Module:
+    model = factory_of(spec)()
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model: {spec} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def check_model(spec: str) -> None:
+    """Raise ModelError when `spec` cannot be trained, before a run writes anything: an HF config
+    must parse and name a causal LM transformers builds (built without memory, on the meta device);
+    a factory's model must return a scalar loss from forward(input_ids, labels) on one short batch."""
+    if spec in PRESETS:
+        return
+    if not spec.startswith(FACTORY):
+        from transformers import AutoModelForCausalLM
+
+        config = hf_config(spec)
+        try:
+            with torch.device("meta"):
+                AutoModelForCausalLM.from_config(config)
+        except (ValueError, KeyError) as exc:
+            reason = " ".join(str(exc).split())[:200]
+            raise ModelError(f"model: {spec} is not a causal language model transformers can build ({reason})") from exc
+        return
+    model = build_model(spec, 0)
+    try:
+        vocab, context = vocab_and_context(model)
+    except ModelError as exc:
+        raise ModelError(f"model: {spec}: {exc}") from exc
+    ids = torch.zeros(1, min(8, context), dtype=torch.long)
+    try:
+        loss = causal_loss(model, ids, ids)
+    except TypeError as exc:
+        raise ModelError(f"model: {spec}: {exc}; make forward return the loss") from exc
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is the model's problem
+        raise ModelError(f"model: {spec}: forward(input_ids, labels) failed ({type(exc).__name__}: {exc})") from exc
+    if not loss.is_floating_point():
+        raise ModelError(f"model: {spec}: forward returned a {loss.dtype} loss; return a float scalar")
+
+
+def vocab_and_context(model: nn.Module) -> tuple[int, int]:
+    """(vocabulary size, context length) of a model: from its `.config` (GPT's vocab_size and
+    block_size, an HF config's vocab_size and max_position_embeddings) or, for a factory's
+    module, from those attributes on the module itself."""
+    for source in (getattr(model, "config", None), model):
+        vocab = getattr(source, "vocab_size", None)
+        context = getattr(source, "block_size", None) or getattr(source, "max_position_embeddings", None)
+        if isinstance(vocab, int) and isinstance(context, int):
+            return vocab, context
+    raise ModelError(
+        f"{type(model).__name__} names no vocab_size and block_size (or max_position_embeddings); "
+        "set them on the module or its .config"
+    )
+
+
+def synced(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a run syncs: float ones that require grad, each once (a tied weight under
+    its first name). Frozen and integer parameters stay as the model was built."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's synced weights as plain tensors of their own (`params_of(build_model(...))` is round 0)."""
+    return {k: v.detach().clone() for k, v in synced(model)}
+
+
+def _check_names(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
+    own = dict(synced(model))
+    if set(own) != set(params):
+        missing, unexpected = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return own
+
+
+@torch.no_grad()
+def load_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Copy synced weights into `model` in place (a tied weight is one parameter, so both its
+    uses take the value)."""
+    for name, p in _check_names(model, params).items():
+        p.copy_(params[name])
+
+
+def assign_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Make `params`' tensors the model's own, without a copy, and tie each tied weight again:
+    every module attribute that held one parameter holds the one new parameter."""
+    own = _check_names(model, params)
+    _replace(model, {id(p): nn.Parameter(params[name]) for name, p in own.items()})
+
+
+def _replace(model: nn.Module, new: dict[int, nn.Parameter]) -> None:
+    """Put new[id(p)] wherever the model holds parameter p, under each of its names (ties included)."""
+    for qualified, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in new:
+            owner, _, attr = qualified.rpartition(".")
+            setattr(model.get_submodule(owner), attr, new[id(p)])
+
+
+def skeleton(spec: str, seed: int) -> nn.Module:
+    """The model `spec` names with its synced weights left out (meta tensors), for θ to be given
+    to it with `assign_params` without a copy; buffers and frozen weights are as built."""
+    return copy.deepcopy(_template(spec, seed))
 
 
 @lru_cache(maxsize=4)
-def _meta_gpt(config: GPTConfig) -> GPT:
-    """Built on the CPU once and emptied: built on the meta device, its initialisation would run
-    nn.init.normal_'s Python reference, whose first call imports torch._dynamo: a second of CPU on the
-    way from a run's start to its first evaluation, spent for nothing."""
-    with torch.random.fork_rng(devices=[]):
-        return GPT(config).to_empty(device="meta")
+def _template(spec: str, seed: int) -> nn.Module:
+    """Built on the CPU once and emptied: built on the meta device, a GPT's initialisation would
+    run nn.init.normal_'s Python reference, whose first call imports torch._dynamo: a second of
+    CPU on the way from a run's start to its first evaluation, spent for nothing."""
+    model = build_model(spec, seed)
+    _replace(model, {id(p): nn.Parameter(torch.empty_like(p, device="meta")) for _, p in synced(model)})
+    return model
 
 
-def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A model's weights as plain tensors of their own (`params_of(build_model(...))` is round 0)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def is_hf(model: nn.Module) -> bool:
+    """Whether `model` is a transformers model (whose forward takes labels it shifts itself)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def causal_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, net: nn.Module | None = None) -> torch.Tensor:
+    """The next-token loss of `model` on inputs x and targets y (x shifted by one), computed by
+    `net` (the module that trains: `model` itself or its DDP wrapper). A transformers model is
+    given x alone and its logits scored against y, since its own `labels` would be shifted once
+    more; every other model is asked forward(x, y)."""
+    net = net or model
+    if is_hf(model):
+        logits = net(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+    return loss_of(net(x, y))
 
 
 def loss_of(output) -> torch.Tensor:
