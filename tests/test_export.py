@@ -1,0 +1,77 @@
+"""`islands export`: a round's checkpoint, its sha256 checked first, as files safetensors or
+transformers load; an OUT it cannot reach or a damaged checkpoint stops it before it writes."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import write_llama
+from safetensors.torch import load_file
+
+from flows.cli import main
+from storage import layout
+from storage.rounds import read_manifest
+from storage.store import Stores
+from tasks.core.config import RunConfig
+from tasks.core.model import build_model, params_of
+from tasks.publish import publish_initial
+
+RUN = "export-run"
+
+
+def round0(tmp_path: Path, model: str) -> tuple[str, Stores]:
+    """A run with its config and round 0 in folders, as the driver writes them."""
+    template = f"file://{tmp_path}/store/{{bucket}}"
+    config = RunConfig(
+        run_id=RUN, regions=["north"], speed={}, model=model, eval_every=0, store=template, quorum={"min_quorum": 1}
+    )
+    stores = Stores(template, config.regions)
+    stores.global_.put_if_absent(layout.config_key(RUN), config.model_dump_json().encode())
+    publish_initial(config, RUN, stores)
+    return template, stores
+
+
+def test_a_preset_round_is_written_as_safetensors_and_its_config(tmp_path):
+    template, _ = round0(tmp_path, "tiny")
+    assert main(["export", RUN, str(tmp_path / "out"), "--store", template, "--round", "0"]) == 0
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    want = params_of(build_model("tiny", 0))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert '"n_layer": 4' in (tmp_path / "out" / "config.json").read_text()
+
+
+def test_an_hf_round_loads_in_transformers_with_its_tie(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = write_llama(tmp_path / "llama")
+    template, _ = round0(tmp_path, str(folder))
+    assert main(["export", RUN, str(tmp_path / "out"), "--store", template]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    want = params_of(build_model(str(folder), 0))
+    assert all(torch.equal(v, want[k]) for k, v in params_of(loaded).items())
+
+
+def test_a_damaged_checkpoint_writes_nothing(tmp_path, capsys):
+    template, stores = round0(tmp_path, "tiny")
+    key = read_manifest(stores.global_, RUN, 0)[0].model.key
+    path = tmp_path / "store" / "global" / key
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert main(["export", RUN, str(tmp_path / "out"), "--store", template]) == 1
+    assert "does not match its manifest" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out", ["a-file/model", "a-file", "missing-round"])
+def test_an_out_it_cannot_write_or_a_round_that_is_not_there_is_refused(tmp_path, capsys, out):
+    template, _ = round0(tmp_path, "tiny")
+    (tmp_path / "a-file").write_text("")
+    args = ["export", RUN, str(tmp_path / out), "--store", template]
+    if out == "missing-round":
+        args += ["--round", "7"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("islands: OUT: " if out != "missing-round" else "islands: --round 7")
+    assert not (tmp_path / "missing-round").exists()
