@@ -2,6 +2,7 @@
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -62,7 +63,13 @@ def islands_stack(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("islands-stack")
     stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in STACK_REGIONS)], keep=False)
-    with stack.start(record=True):
+    with pytest.MonkeyPatch.context() as mp:
+        # The learner runner (and each learner it starts) can import the tests' python: model factories.
+        mp.setenv(
+            "PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+        )
+        stack.start(record=True)
+    with stack:
         yield stack, home
 
 
