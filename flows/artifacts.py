@@ -133,8 +133,8 @@ def loss_curves(manifests: list[Manifest]) -> dict[str, list[tuple[float, float]
     merged = 0
     for m in manifests:
         for c in sorted(m.contributions, key=lambda c: (c.learner, c.phase)):
-            curves.setdefault(f"{c.learner} train loss", []).append((merged + c.tokens, c.loss))
-        merged += sum(c.tokens for c in m.contributions)
+            curves.setdefault(f"{c.learner} train loss", []).append((merged + c.tokens_counted, c.loss))
+        merged += sum(c.tokens_counted for c in m.contributions)
         if m.eval_loss is not None:
             curves["global eval loss"].append((merged, m.eval_loss))
     return curves

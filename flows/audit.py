@@ -13,10 +13,11 @@ round's manifest must be one of them, so a chain rewritten consistently in stora
 run with object_lock_days, a round object must have one version only, since Object Lock keeps
 the first one however many are stacked on it.
 
-Token ledger, per learner:  lost = trained − applied − dropped − pending.
+Token ledger, per learner:  lost = trained − applied − capped − dropped − pending.
   trained  trainer steps in the learner's newest saved state × batch × block (the learner's own
            count, independent of its deltas); the sum of its deltas' claims when it saved none
-  applied  tokens of its deltas merged (manifest contributions)
+  applied  tokens of its deltas merged, as counted (manifest contributions' tokens_counted)
+  capped   tokens its merged deltas claimed beyond what was counted (merge.token_cap)
   dropped  tokens of its deltas quarantined or dropped as stale (manifest exclusions)
   pending  claims of its deltas in the regional bucket that no manifest names yet
 lost > 0 is a problem (trained work whose delta is nowhere). lost < 0 is work done twice: a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 import torch
 from pydantic import ValidationError
@@ -36,15 +38,16 @@ from flows.witness import Witness
 from storage import layout
 from storage.codec import CodecError, decode, decode_state, encode_state, encode_wire, packed, read_header
 from storage.manifest import Contribution, Manifest, ObjectRef
-from storage.model_files import local_model
+from storage.model_files import local_model, step_tokens
 from storage.rounds import checkpoint_metadata, object_header, read_config, read_evaluation
 from storage.store import AccessDenied, IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
 from tasks.core.compress import residual_state, split_residual
 from tasks.core.config import MergeSettings
 from tasks.core.merge import Candidate, apply_update, encode_update, merge_round, plan_merge
-from tasks.core.model import build_model, params_of, skeleton, vocab_and_context
+from tasks.core.model import build_model, params_of
+from tasks.core.validate import claimed_tokens
 
-LEDGER = ("trained", "applied", "dropped", "pending", "lost")
+LEDGER = ("trained", "applied", "capped", "dropped", "pending", "lost")
 RULE_FIELDS = ("outer_lr", "outer_momentum", "staleness_lambda", "max_staleness", "token_cap")
 
 
@@ -119,7 +122,7 @@ class _Audit:
         self.manifest_shas: dict[int, str] = {}  # round → sha256 of its manifest's bytes in storage
         self.config = read_config(stores.global_, run)
         self.report = AuditReport(run=run, replayed=0 if replay else None)
-        self.named: dict[str, int] = {}  # delta key → the round whose manifest named it
+        self.named: dict[tuple[str, str], int] = {}  # (region, delta key) → the round whose manifest named it
         self.merged: dict[str, tuple[int, str]] = {}  # delta sha256 → (round, key) that merged it
         self.applied = 0  # tokens merged into the rounds walked so far
         self.books: dict[str, Counter] = defaultdict(Counter)
@@ -312,14 +315,16 @@ class _Audit:
             self.problem(r, key, f"region {region!r} is not one of the run's regions {sorted(self.stores.regions)}")
         return store
 
-    def claim(self, r: int, key: str) -> None:
-        """A delta key may be consumed by one manifest, once."""
-        if key in self.named:
-            self.problem(r, key, f"named by round {self.named[key]} and again by round {r}: consumed twice")
-        self.named.setdefault(key, r)
+    def claim(self, r: int, region: str | None, key: str) -> None:
+        """A delta (a key in a region's bucket) may be consumed by one manifest, once."""
+        if (region or "", key) in self.named:
+            self.problem(
+                r, key, f"named by round {self.named[region or '', key]} and again by round {r}: consumed twice"
+            )
+        self.named.setdefault((region or "", key), r)
 
     def walk_deltas(self, r: int, m: Manifest) -> None:
-        self.applied += sum(c.tokens for c in m.contributions)
+        self.applied += sum(c.tokens_counted for c in m.contributions)
         if m.tokens_applied != self.applied:
             self.problem(
                 r,
@@ -328,8 +333,9 @@ class _Audit:
                 f"its contributions and its parents' add up to {self.applied:,}",
             )
         for c in m.contributions:
-            self.claim(r, c.key)
-            self.books[c.learner]["applied"] += c.tokens
+            self.claim(r, c.region, c.key)
+            self.books[c.learner]["applied"] += c.tokens_counted
+            self.books[c.learner]["capped"] += c.tokens - c.tokens_counted
             if c.sha256 in self.merged and self.merged[c.sha256][1] != c.key:
                 first_round, first_key = self.merged[c.sha256]
                 self.problem(r, c.key, f"same bytes as {first_key}, merged in round {first_round}: applied twice")
@@ -339,7 +345,7 @@ class _Audit:
             if data:
                 self.check_claims(r, c, read_header(data)[1])
         for e in m.excluded:
-            self.claim(r, e.key)
+            self.claim(r, e.region, e.key)
             self.books[e.learner or "?"]["dropped"] += e.tokens
             if e.sha256 is not None and (store := self.region_store(r, e.key, e.region)) is not None:
                 self.fetch(r, store, e.key, e.sha256, None)
@@ -351,9 +357,10 @@ class _Audit:
             "learner": c.learner,
             "phase": str(c.phase),
             "base_round": str(c.base_round),
-            "tokens": str(c.tokens),
         }
         wrong = {k: meta.get(k) for k, v in recorded.items() if meta.get(k) != v}
+        if c.tokens != claimed_tokens(meta, self.config.inner_steps, self.tokens_per_step):
+            wrong["tokens"] = meta.get("tokens")
         if wrong:
             self.problem(r, c.key, f"delta metadata {wrong} disagrees with the manifest's record")
         if c.staleness != r - 1 - c.base_round:
@@ -451,14 +458,13 @@ class _Audit:
         for region, store in self.stores.regions.items():
             for key in sorted(store.list(layout.deltas_prefix(self.run_id))):
                 parsed = layout.parse_delta_key(key)
-                if parsed is not None and key not in self.named:
+                if parsed is not None and (region, key) not in self.named:
                     self.books[parsed[0]]["pending"] += self.pending_claim(store, key)
-        context = vocab_and_context(skeleton(local_model(self.config.model), self.config.seed))[1]
-        tokens_per_step = self.config.inner.batch_size * context
+        tokens_per_step = self.tokens_per_step
         regions = {name: region for name, region, _ in self.config.learners()}
         for learner in sorted(set(regions) | set(self.books)):
             row = self.books[learner]
-            accounted = row["applied"] + row["dropped"] + row["pending"]
+            accounted = row["applied"] + row["capped"] + row["dropped"] + row["pending"]
             steps = self.trained_steps(learner, regions[learner]) if learner in regions else None
             row["trained"] = accounted if steps is None else steps * tokens_per_step
             row["lost"] = row["trained"] - accounted
@@ -477,10 +483,14 @@ class _Audit:
                 )
             self.report.ledger[learner] = {c: row[c] for c in LEDGER}
 
+    @cached_property
+    def tokens_per_step(self) -> int:
+        return step_tokens(self.config)
+
     def pending_claim(self, store: ObjectStore, key: str) -> int:
         try:
-            return max(0, int(object_header(store, key)[1].get("tokens", 0)))
-        except (CodecError, StoreError, ValueError) as exc:
+            return claimed_tokens(object_header(store, key)[1], self.config.inner_steps, self.tokens_per_step)
+        except (CodecError, StoreError) as exc:
             self.report.notes.append(f"{key}: pending but unreadable, counted as 0 tokens ({_first_line(exc)})")
             return 0
 

@@ -42,7 +42,7 @@ def summarize(manifest: Manifest) -> dict:
         "bytes_in": sum(c.bytes for c in manifest.contributions),
         "bytes_out": sum(ref.bytes for ref in (manifest.model, manifest.outer, manifest.update) if ref),
         "excluded": [f"{e.key}: {e.reason}" for e in manifest.excluded],
-        "tokens": sum(c.tokens for c in manifest.contributions),
+        "tokens": sum(c.tokens_counted for c in manifest.contributions),
         "tokens_applied": manifest.tokens_applied,
     }
 

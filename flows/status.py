@@ -19,6 +19,7 @@ from storage.manifest import Manifest
 from storage.rounds import object_metadata, read_chain, read_config, stop_requested, with_eval_losses
 from storage.store import ObjectMissing, StoreError, Stores
 from tasks.core.config import EMBEDDED_STORE, RunConfig
+from tasks.core.validate import read_field
 
 LATE_AFTER = 2.0  # usual phase times without a new delta before a learner counts as late
 DEAD_AFTER = 5.0  # ... and as dead
@@ -95,7 +96,12 @@ def newest_delta(stores: Stores, run: str, learner: str, region: str) -> dict | 
     if not phases:
         return None
     meta = object_metadata(store, phases[max(phases)])
-    return {"phase": max(phases), "finished_at": float(meta["finished_at"]), "seconds": float(meta["seconds"])}
+    # The learner's own words: read within their bounds, so no delta can make status fail.
+    return {
+        "phase": max(phases),
+        "finished_at": read_field(meta, "finished_at", 0.0),
+        "seconds": read_field(meta, "seconds", 0.0),
+    }
 
 
 def liveness(finished: bool, flow_state: str | None, age_s: float, usual_s: float | None) -> str:

@@ -35,6 +35,7 @@ from storage import layout, lease
 from storage.rounds import evaluated, latest_round, object_metadata, read_chain, with_eval_losses
 from storage.store import Stores
 from tasks.core.config import RunConfig, new_run_id, store_template
+from tasks.core.validate import read_field
 from tasks.crash import LEARNER_POINTS, armed, crash_point, parse
 from tasks.evaluate import round_loss
 from tasks.publish import publish_initial
@@ -124,8 +125,8 @@ def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, in
         written = read = 0
         for key in newest.values():
             meta = object_metadata(store, key)
-            written += int(meta.get("io_written", 0))
-            read += int(meta.get("io_read", 0))
+            written += read_field(meta, "io_written", 0)
+            read += read_field(meta, "io_read", 0)
         out[region] = {"written": written, "read": read}
     g = stores.global_.io
     out["synchronizer"] = {

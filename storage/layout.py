@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import re
 
+from tasks.core.config import NAME
+
 GLOBAL_BUCKET = "global"
 
 
@@ -127,16 +129,20 @@ def learner_state_key(run: str, learner: str, phase: int) -> str:
     return learner_state_prefix(run, learner) + f"state-{phase:06d}.safetensors"
 
 
-_ROUND_OBJECT = re.compile(r"runs/[^/]+/rounds/(\d{6})/")
-_ROUND_MANIFEST = re.compile(r"runs/[^/]+/rounds/(\d{6})/manifest\.json$")
-_DELTA = re.compile(r"runs/[^/]+/deltas/([^/]+)/(\d{6})\.safetensors$")
-_STATE = re.compile(r"runs/[^/]+/learners/[^/]+/state-(\d{6})\.safetensors$")
-_DRIVER = re.compile(r"runs/[^/]+/drivers/(\d{6})(?:\.json|/beat-(\d{8}))$")
+_ROUND_OBJECT = re.compile(r"runs/[^/]+/rounds/([0-9]{6})/", re.ASCII)
+_ROUND_MANIFEST = re.compile(r"runs/[^/]+/rounds/([0-9]{6})/manifest\.json", re.ASCII)
+# A delta key, whole: learners write it, so it is read by this one anchored ASCII pattern, and
+# only its one spelling (`delta_key` of what it parses to) is a delta key: no other key (another
+# case, a nested or doubled slash, non-ASCII digits, more leading zeros) names the same (learner,
+# phase). Learner names are a region name, '-' and an index (RunConfig.learners).
+_DELTA = re.compile(rf"runs/{NAME}/deltas/({NAME}-(?:0|[1-9][0-9]{{0,2}}))/([0-9]{{6,9}})\.safetensors", re.ASCII)
+_STATE = re.compile(rf"runs/{NAME}/learners/{NAME}-[0-9]{{1,3}}/state-([0-9]{{6,9}})\.safetensors", re.ASCII)
+_DRIVER = re.compile(r"runs/[^/]+/drivers/([0-9]{6})(?:\.json|/beat-([0-9]{8}))", re.ASCII)
 
 
 def parse_manifest_key(key: str) -> int | None:
     """Round number of a manifest key, None for any other key."""
-    m = _ROUND_MANIFEST.search(key)
+    m = _ROUND_MANIFEST.fullmatch(key)
     return int(m.group(1)) if m else None
 
 
@@ -147,18 +153,20 @@ def parse_round_key(key: str) -> int | None:
 
 
 def parse_delta_key(key: str) -> tuple[str, int] | None:
-    """(learner, phase) of a delta key, None for any other key."""
-    m = _DELTA.search(key)
-    return (m.group(1), int(m.group(2))) if m else None
+    """(learner, phase) of a delta key, None for any other key (see _DELTA)."""
+    m = _DELTA.fullmatch(key)
+    if m is None or key != delta_key(key.split("/", 2)[1], m.group(1), int(m.group(2))):
+        return None
+    return m.group(1), int(m.group(2))
 
 
 def parse_state_key(key: str) -> int | None:
     """Phase of a learner-state key, None for any other key."""
-    m = _STATE.search(key)
-    return int(m.group(1)) if m else None
+    m = _STATE.fullmatch(key)
+    return int(m.group(1)) if m and key.endswith(f"state-{int(m.group(1)):06d}.safetensors") else None
 
 
 def parse_driver_key(key: str) -> tuple[int, int | None] | None:
     """(epoch, beat seq) of a driver key — seq None for the claim itself — None for any other key."""
-    m = _DRIVER.search(key)
+    m = _DRIVER.fullmatch(key)
     return (int(m.group(1)), int(m.group(2)) if m.group(2) else None) if m else None

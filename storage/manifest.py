@@ -54,6 +54,7 @@ class Contribution(_Strict):
     finished_at: float  # the learner's clock when it wrote the delta (unix seconds)
     seconds: float  # how long the learner's phase took
     seen_at: float  # the synchronizer's clock when it first listed the delta
+    norm: float | None = None  # the delta's L2 norm, which later rounds' norm limit compares with
 
 
 class Excluded(_Strict):
@@ -112,6 +113,7 @@ class Manifest(_Strict):
     def from_bytes(cls, data: bytes) -> Manifest:
         return cls.model_validate(json.loads(data))
 
-    def consumed_keys(self) -> set[str]:
-        """Delta keys this round used up: merged, quarantined or dropped."""
-        return {c.key for c in self.contributions} | {e.key for e in self.excluded}
+    def consumed(self) -> set[tuple[str, str]]:
+        """(region, delta key) of every delta this round used up: merged, quarantined or dropped.
+        By region too: one key in two regions' buckets names two objects, judged apart."""
+        return {(c.region, c.key) for c in self.contributions} | {(e.region or "", e.key) for e in self.excluded}

@@ -11,6 +11,7 @@ however many deltas the run has written.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,9 +25,19 @@ from storage import layout
 from storage.codec import CodecError, TensorFile
 from storage.manifest import Excluded
 from storage.spool import spool
-from storage.store import IntegrityError, ObjectMissing, ObjectStore
+from storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError
+from tasks.core.model import PRESETS
 from tasks.core.quorum import Decision, decide
-from tasks.core.validate import check_metadata, check_names, check_tensor, global_norm
+from tasks.core.validate import (
+    Expected,
+    Invalid,
+    check_names,
+    check_tensor,
+    claimed_tokens,
+    global_norm,
+    read_claims,
+    short,
+)
 from tasks.round_state import RoundState
 
 READERS = 2  # deltas read at once (see inspect_all)
@@ -92,64 +103,72 @@ class DeltaWatch:
         return found
 
 
-def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Excluded:
-    """Read and judge one delta found in `region`'s bucket."""
-    parsed = layout.parse_delta_key(key)
-    owners = {name: r for name, r, _ in state.config.learners()}
-
-    path: Path | None = None  # where the delta is spooled, once it is
-
-    def bad(reason: str, **kw) -> Excluded:
-        if path is not None:
-            path.unlink(missing_ok=True)
-        return Excluded(kind="quarantined", key=key, reason=reason, region=region, **kw)
-
-    if parsed is None:
-        return bad("not a delta key of this layout")
-    learner, phase = parsed
-    if owners.get(learner) != region:
-        return bad(
-            f"learner {learner!r} does not belong to region {region!r} in this run", learner=learner, phase=phase
-        )
-    if size > state.max_delta_bytes():
-        return bad(f"oversized: {size} bytes > {state.max_delta_bytes()}", learner=learner, phase=phase)
-    path = state.spool_dir / f"{region}.{learner}.{phase:06d}.safetensors"
+def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Excluded | None:
+    """Read and judge one delta found in `region`'s bucket. Any fault of the delta, or any error
+    while reading or checking it, quarantines it with a short reason; only the store failing to
+    answer (no verdict on the delta) leaves it for a later look (None)."""
+    known: dict = {}  # what is known of the delta so far, for its record
+    path = state.spool_dir / f"{region}.{len(key)}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
     try:
-        got = spool(state.stores.region(region), key, path, max_bytes=state.max_delta_bytes())
-    except (ObjectMissing, IntegrityError) as exc:
-        return bad(f"unreadable: {exc}", learner=learner, phase=phase)
-    sha = got.sha256
+        return _judge(state, region, key, size, path, known)
+    except StoreError as exc:
+        path.unlink(missing_ok=True)
+        if not isinstance(exc, ObjectMissing | IntegrityError):
+            return None
+        reason = f"unreadable: {exc}"
+    except (Invalid, CodecError) as exc:
+        reason = str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever a delta's bytes provoke, the round goes on
+        reason = f"could not be checked: {type(exc).__name__}: {exc}"
+    path.unlink(missing_ok=True)
+    return Excluded(kind="quarantined", key=key, reason=short(reason), region=region, **known)
+
+
+def _judge(state: RoundState, region: str, key: str, size: int, path: Path, known: dict) -> Arrival:
+    """`inspect`'s checks, in order of cost; each fault raises. `known` gathers the delta's
+    learner, phase, sha256 and capped tokens as they are established, for a quarantine record."""
+    parsed = layout.parse_delta_key(key)
+    if parsed is None:
+        raise Invalid("not a delta key of this layout")
+    learner, phase = parsed
+    known.update(learner=learner, phase=phase)
+    owners = {name: r for name, r, _ in state.config.learners()}
+    if owners.get(learner) != region:
+        raise Invalid(f"learner {learner!r} does not belong to region {region!r} in this run")
+    if size > state.max_delta_bytes():
+        raise Invalid(f"oversized: {size} bytes > {state.max_delta_bytes()}")
+    got = spool(state.stores.region(region), key, path, max_bytes=state.max_delta_bytes())
+    known["sha256"] = sha = got.sha256
     dup = state.consumed_shas.get(sha)
     if dup is not None:
-        return bad(f"duplicate of consumed delta {dup}", learner=learner, phase=phase, sha256=sha)
-    try:
-        delta = TensorFile(path, got.body_sha256)
-    except CodecError as exc:
-        return bad(str(exc), learner=learner, phase=phase, sha256=sha)
-    meta = delta.metadata
-    reason, norm = check_metadata(meta, state.run, learner, phase, state.round - 1), 0.0
-    if not reason:
-        reason, norm = check_delta(delta, state.model)
+        raise Invalid(f"duplicate of consumed delta {dup}")
+    delta = TensorFile(path, got.body_sha256)
+    cfg = state.config
+    tokens_per_step = cfg.inner.batch_size * PRESETS[cfg.model].block_size
+    known["tokens"] = claimed_tokens(delta.metadata, cfg.inner_steps, tokens_per_step)
+    expected = Expected(state.run, learner, region, phase, state.round - 1, cfg.inner_steps, tokens_per_step)
+    claims = read_claims(delta.metadata, expected)
+    reason, norm = check_delta(delta, state.model)
     if reason:
-        return bad(reason, learner=learner, phase=phase, sha256=sha, tokens=_int(meta.get("tokens")))
+        raise Invalid(reason)
     return Arrival(
         key=key,
         learner=learner,
         region=region,
         phase=phase,
-        base_round=int(meta["base_round"]),
-        tokens=int(meta["tokens"]),
-        loss=float(meta["loss"]),
+        base_round=claims.base_round,
+        tokens=claims.tokens,
+        loss=claims.loss,
         bytes=got.bytes,
         sha256=sha,
-        seconds=float(meta.get("seconds", 0.0)),
-        finished_at=float(meta.get("finished_at", time.time())),
+        seconds=claims.seconds,
+        finished_at=claims.finished_at if claims.finished_at is not None else time.time(),
         norm=norm,
         delta=delta,
     )
 
 
-def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Arrival | Excluded]:
+def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Arrival | Excluded | None]:
     """`inspect` for each (region, key, size), READERS at a time, in the order given.
 
     One reader keeps neither side busy: the store serves while the reader waits, and the reader
@@ -179,39 +198,38 @@ def check_delta(delta: TensorFile, model: dict[str, torch.Tensor]) -> tuple[str 
     return None, global_norm(norms)
 
 
-def _int(value: str | None) -> int:
-    try:
-        return max(0, int(value or 0))
-    except ValueError:
-        return 0
-
-
 @task(name="collect", cache_policy=NO_CACHE)
 def collect(state: RoundState) -> Collected:
     """Poll until all are in, the quorum's grace window ends, or the hard deadline passes."""
     log = get_run_logger()
     cfg = state.config
-    consumed = state.consumed_keys
+    consumed = state.consumed
     history = state.history()
     learners = [name for name, _, _ in cfg.learners()]
     watches = {
         region: DeltaWatch(store, state.run, [name for name, r, _ in cfg.learners() if r == region])
         for region, store in state.stores.regions.items()
     }
-    seen: dict[str, Arrival | Excluded] = {}
+    seen: dict[tuple[str, str], Arrival | Excluded] = {}  # by (region, key): a key may be in two buckets
 
     def look(last: bool = False) -> None:
         """Inspect what is new; on the last look, only keys outside the learners' folders (a
-        learner's delta that lands now is left for the next round)."""
+        learner's delta that lands now is left for the next round). A delta the store did not
+        serve is looked at again next time."""
         listed_at = time.time()
         new = [
             (region, key, size)
             for region, watch in watches.items()
             for key, size in sorted(watch.look(everything=last).items())
-            if key not in consumed and key not in seen and not (last and watch.owned(key))
+            if (region, key) not in consumed and (region, key) not in seen and not (last and watch.owned(key))
         ]
-        for (_, key, _), found in zip(new, inspect_all(state, new)):
-            seen[key] = found
+        for (region, key, _), found in zip(new, inspect_all(state, new)):
+            if found is None:
+                log.warning(
+                    "%s round %d: %s not read (the store did not answer); again later", state.run, state.round, key
+                )
+                continue
+            seen[region, key] = found
             if isinstance(found, Arrival):
                 found.seen_at = listed_at
             if isinstance(found, Excluded):

@@ -17,16 +17,25 @@ from storage.codec import TensorFileWriter, encode_state_object
 from storage.encoded import EncodedObject
 from storage.manifest import Contribution, Excluded
 from storage.rounds import checkpoint_metadata, update_metadata
-from tasks.collect import Arrival, Collected
+from tasks.collect import Arrival, Collected, inspect
 from tasks.core.compress import RESIDUAL_PREFIX
 from tasks.core.config import MergeSettings
 from tasks.core.merge import Candidate, encode_update_tensor, merge_tensor_, plan_merge
-from tasks.core.validate import norm_outliers
+from tasks.core.validate import global_norm, norm_refusals
 from tasks.round_state import RoundState
 
 
 class RoundFailed(RuntimeError):
     """The round cannot be published; the message says why and how to continue."""
+
+
+class NonFinite(ArithmeticError):
+    """Merging made a tensor of θ_r or its momentum non-finite; `key` is the delta that weighs
+    most in that tensor, which is quarantined before the round is merged again."""
+
+    def __init__(self, name: str, key: str):
+        super().__init__(f"merging gives non-finite values in {name}")
+        self.name, self.key = name, key
 
 
 @dataclass
@@ -73,6 +82,13 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeSettings)
             _, momentum[name] = merge_tensor_(
                 param, momentum.get(name), (f.decoded(name) for f in files), weights, rule
             )
+            if not (torch.isfinite(param).all() and torch.isfinite(momentum[name]).all()):
+                pulls = [
+                    w * float(torch.linalg.vector_norm(f.decoded(name), dtype=torch.float64))
+                    for f, w in zip(files, weights)
+                ]
+                culprit = weighted[max(range(len(files)), key=pulls.__getitem__)].candidate
+                raise NonFinite(name, by_id[(culprit.learner, culprit.phase)].key)
             for f in files:
                 f.release(name)  # read for the last time: the part files below reuse its pages
             wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, codec)
@@ -94,30 +110,59 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeSettings)
     return state.model, momentum, model_object, update_object, outer_object, weighted, dropped
 
 
+def quarantined(a: Arrival, reason: str) -> Excluded:
+    return Excluded(
+        kind="quarantined",
+        key=a.key,
+        reason=reason,
+        learner=a.learner,
+        region=a.region,
+        phase=a.phase,
+        tokens=a.tokens,
+        sha256=a.sha256,
+    )
+
+
+def merge_finite(state: RoundState, arrivals: list[Arrival], rule: MergeSettings, excluded: list[Excluded]):
+    """`apply_merge`, and should θ_r or its momentum come out non-finite, again without the delta
+    that caused it (quarantined), from θ_{r−1} and the other deltas read afresh: the merge works
+    in place and lets go of what it has read."""
+    while True:
+        try:
+            return arrivals, apply_merge(state, arrivals, rule)
+        except NonFinite as exc:
+            culprit = next(a for a in arrivals if a.key == exc.key)
+            excluded.append(quarantined(culprit, f"merging it gives a non-finite θ_r (in {exc.name})"))
+            state.reload()
+            again = []
+            for a in arrivals:
+                if a is culprit:
+                    continue
+                found = inspect(state, a.region, a.key, a.bytes)
+                if found is None:
+                    raise RoundFailed(f"{state.run} round {state.round}: the store did not answer; retry it") from exc
+                if isinstance(found, Arrival):
+                    found.seen_at = a.seen_at
+                    again.append(found)
+                else:
+                    excluded.append(found)
+            arrivals = again
+
+
 @task(name="merge", cache_policy=NO_CACHE)
 def merge(state: RoundState, collected: Collected) -> Merged:
     log = get_run_logger()
     rule = state.config.merge
-    outliers = norm_outliers({a.key: a.norm for a in collected.arrivals})
+    model_norm = global_norm(float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in state.model.values())
+    refused = norm_refusals(
+        {a.key: a.norm for a in collected.arrivals}, state.recent_norms(), model_norm, rule.norm_limit
+    )
     excluded = list(collected.quarantined)
-    arrivals = []
-    for a in collected.arrivals:
-        if a.key in outliers:
-            excluded.append(
-                Excluded(
-                    kind="quarantined",
-                    key=a.key,
-                    reason=outliers[a.key],
-                    learner=a.learner,
-                    region=a.region,
-                    phase=a.phase,
-                    tokens=a.tokens,
-                    sha256=a.sha256,
-                )
-            )
-        else:
-            arrivals.append(a)
-    model, _, model_object, update, outer, weighted, dropped = apply_merge(state, arrivals, rule)
+    excluded += [quarantined(a, refused[a.key]) for a in collected.arrivals if a.key in refused]
+    arrivals = [a for a in collected.arrivals if a.key not in refused]
+    arrivals, (model, _, model_object, update, outer, weighted, dropped) = merge_finite(state, arrivals, rule, excluded)
+    if model is not None and not all(torch.isfinite(t).all() for t in model.values()):
+        raise RoundFailed(f"{state.run} round {state.round}: θ_r is not finite; nothing was published")
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
@@ -164,6 +209,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
                 finished_at=a.finished_at,
                 seconds=a.seconds,
                 seen_at=a.seen_at,
+                norm=a.norm,
             )
         )
     log.info(

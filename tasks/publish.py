@@ -50,6 +50,7 @@ def hyper(config: RunConfig) -> dict:
         "staleness_lambda": m.staleness_lambda,
         "max_staleness": m.max_staleness,
         "token_cap": m.token_cap,
+        "norm_limit": m.norm_limit,
         "inner_steps": config.inner_steps,
         "min_quorum": q.min_quorum,
         "max_quorum": config.max_quorum,
@@ -149,7 +150,7 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
         update=update_ref,
         contributions=merged.contributions,
         excluded=merged.excluded,
-        tokens_applied=parent.tokens_applied + sum(c.tokens for c in merged.contributions),
+        tokens_applied=parent.tokens_applied + sum(c.tokens_counted for c in merged.contributions),
         quorum=Quorum(
             min_quorum=state.config.quorum.min_quorum,
             max_quorum=state.config.max_quorum,

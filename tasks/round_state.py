@@ -78,8 +78,8 @@ class RoundState:
         return self.chain[-1]
 
     @cached_property
-    def consumed_keys(self) -> set[str]:
-        return set().union(*(m.consumed_keys() for m, _ in self.chain))
+    def consumed(self) -> set[tuple[str, str]]:
+        return set().union(*(m.consumed() for m, _ in self.chain))
 
     @cached_property
     def consumed_shas(self) -> dict[str, str]:
@@ -104,6 +104,16 @@ class RoundState:
                 lag_s=lag,
             )
         return out
+
+    def recent_norms(self) -> list[float]:
+        """Norms of the deltas merged in the last HISTORY rounds (merge.norm_limit compares with them)."""
+        return [c.norm for m, _ in self.chain[-HISTORY:] for c in m.contributions if c.norm is not None]
+
+    def reload(self) -> None:
+        """θ_{r−1}, its momentum and residual read again from storage (after a merge that failed
+        part way through them)."""
+        fresh = RoundState.load(self.config, self.run, self.stores)
+        self.model, self.momentum, self.residual = fresh.model, fresh.momentum, fresh.residual
 
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""

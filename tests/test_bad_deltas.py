@@ -125,7 +125,11 @@ def run(on_stack):
             ): "non-finite",
             put(
                 config, stores, "north-1", 2, bad("north-1", 2, {k: v * 1e4 for k, v in g.items()})
-            ): "far outside the others",
+            ): "above the model's own norm",
+            put(config, stores, "north-1", 8, bad("north-1", 8, {k: v * 30 for k, v in g.items()})): "far outside",
+            put(config, stores, "north-1", 9, bad("north-1", 9, seconds="soon")): "metadata seconds",
+            put(config, stores, "south-0", 7, bad("south-0", 7, tokens="9" * 400)): "metadata tokens",
+            put(config, stores, "south-0", 8, bad("south-0", 8, loss="nan")): "metadata loss",
             put(config, stores, "north-1", 3, bad("north-1", 3, run="someone-else")): "wrong run id",
             put(config, stores, "north-1", 4, bad("north-1", 4, base_round=7)): "from the future",
             put(config, stores, "south-1", 1, bad("south-1", 1, tokens=None)): "metadata missing: tokens",
@@ -137,6 +141,9 @@ def run(on_stack):
         for key, reason in (
             (layout.delta_key(RUN, "south-0", 9), "does not belong to region 'north'"),
             (layout.deltas_prefix(RUN) + "stray.bin", "not a delta key"),
+            (layout.delta_key(RUN, "north-0", 0).replace("000000", "0000000"), "not a delta key"),
+            (layout.delta_key(RUN, "north-0", 0).replace("north-0", "NORTH-0"), "not a delta key"),
+            (layout.deltas_prefix(RUN) + "x/" + layout.delta_key(RUN, "north-0", 0), "not a delta key"),
         ):
             assert north.put_if_absent(key, honest)
             expected[key] = reason
@@ -176,9 +183,9 @@ def test_the_round_goes_on_with_the_honest_deltas_and_caps_the_liar(run):
     by_learner = {c.learner: c for c in run.first.contributions}
     assert sorted(by_learner) == sorted(HONEST)
     liar = by_learner["south-1"]
-    assert liar.tokens == TOKENS * 1000
-    assert liar.tokens_counted == 2 * TOKENS  # token_cap × the median of its peers
-    assert liar.weight == pytest.approx(by_learner["north-0"].weight * 2)
+    assert liar.tokens == liar.tokens_counted == TOKENS  # what its 5 inner steps can hold
+    assert liar.weight == pytest.approx(by_learner["north-0"].weight)
+    assert run.first.tokens_applied == sum(c.tokens_counted for c in run.first.contributions) == 4 * TOKENS
 
 
 def test_a_resubmitted_copy_of_a_merged_delta_is_not_applied_twice(run):
@@ -200,4 +207,4 @@ def test_audit_passes_and_replays_a_run_full_of_bad_deltas(run):
     assert report.ok, report.summary()
     assert report.replayed == 3
     assert all(row["lost"] == 0 for row in report.ledger.values()), report.ledger
-    assert report.ledger["south-1"]["applied"] == TOKENS * 1000 + TOKENS
+    assert report.ledger["south-1"]["applied"] == 2 * TOKENS

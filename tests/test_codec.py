@@ -342,9 +342,9 @@ def test_manifest_round_trip():
     assert back == m
     assert back.to_bytes() == data
     assert back.contributions[0].weight == 2730.6666666666665
-    assert back.consumed_keys() == {
-        "runs/run-abc/deltas/us-east-0/000005.safetensors",
-        "runs/run-abc/deltas/eu-west-0/000001.safetensors",
+    assert back.consumed() == {
+        ("us-east", "runs/run-abc/deltas/us-east-0/000005.safetensors"),
+        ("", "runs/run-abc/deltas/eu-west-0/000001.safetensors"),
     }
 
 

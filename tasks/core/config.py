@@ -26,7 +26,10 @@ from pydantic.fields import FieldInfo
 DEMO_SPEED = {"eu-west": 0.33}
 # Where a run without `store` keeps its buckets: the embedded S3 endpoint (AWS_ENDPOINT_URL).
 EMBEDDED_STORE = "s3://islands-{bucket}"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{1,40}[a-z0-9]$")
+# Run and region names: they become bucket names and key segments, so plain ASCII of a fixed form.
+NAME = r"[a-z0-9][a-z0-9-]{1,40}[a-z0-9]"
+NAME_RULE = "3–42 characters: lowercase letters, digits or '-', beginning and ending with a letter or digit"
+_NAME = re.compile(NAME, re.ASCII)
 
 
 class ConfigError(ValueError):
@@ -71,6 +74,11 @@ class MergeSettings(_Section):
     staleness_lambda: float = Field(0.5, ge=0, description="Weight = tokens / (1 + λ·staleness).")
     max_staleness: int = Field(4, ge=0, description="Deltas staler than this many rounds are dropped (recorded).")
     token_cap: float = Field(2.0, ge=1, description="A token claim counts at most this × the median of its peers.")
+    norm_limit: float = Field(
+        10.0,
+        gt=1,
+        description="A delta's L2 norm may be at most this × the median norm of the deltas merged in the last five rounds, and never above the model's own; with three or more in a round, also within this factor of the round's median, either way. Others are quarantined.",
+    )
 
 
 class QuorumSettings(_Section):
@@ -197,8 +205,8 @@ class RunConfig(BaseModel):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, v: str | None) -> str | None:
-        if v is not None and not _NAME.match(v):
-            raise ValueError("use 3–42 lowercase letters, digits or '-', e.g. run-7f3a")
+        if v is not None and not _NAME.fullmatch(v):
+            raise ValueError(f"use {NAME_RULE}, e.g. run-7f3a")
         return v
 
     @field_validator("regions")
@@ -206,9 +214,9 @@ class RunConfig(BaseModel):
     def _regions(cls, v: list[str]) -> list[str]:
         if not v:
             raise ValueError("give at least one region")
-        bad = [r for r in v if not _NAME.match(r) or r == "global"]
+        bad = [r for r in v if not _NAME.fullmatch(r) or r == "global"]
         if bad:
-            raise ValueError(f"{bad} are not usable as bucket names; use lowercase letters, digits and '-'")
+            raise ValueError(f"{bad} cannot name a region: use {NAME_RULE}, and not 'global'")
         if len(set(v)) != len(v):
             raise ValueError("regions must be distinct")
         return v
