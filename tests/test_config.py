@@ -345,3 +345,25 @@ def test_the_command_exits_with_mains_status_leaving_its_objects_to_the_system(m
         cli.entry()
     assert info.value.code == 3
     assert calls == ["main", "freeze"]
+
+
+@pytest.mark.parametrize(
+    "name", ["eu", "x", "-ab", "ab-", "Us-east", "us_east", "us east", "üs-east", "us-\u0435ast", "a" * 43, "global"]
+)
+def test_a_refused_region_name_is_told_the_rule(name, cli_env, capsys, monkeypatch):
+    line = refused(["run", "--regions", f"us-east,{name}"], capsys, cli_env, monkeypatch)
+    assert line.startswith("islands: regions: ") or line.startswith("islands: --regions"), line
+    assert "3–42 characters" in line and "beginning and ending with a letter or digit" in line, line
+
+
+@pytest.mark.parametrize("name", ["abc", "a-1", "us-east", "a" * 42, "0-0"])
+def test_region_names_of_the_rule_are_accepted(name):
+    assert RunConfig(regions=[name], speed={}, quorum={"min_quorum": 1}).regions == [name]
+
+
+@pytest.mark.parametrize("name", ["us-east\n", "us-east ", "US-EAST"])
+def test_names_are_matched_whole(name):
+    with pytest.raises(ValidationError, match="3–42 characters"):
+        RunConfig(regions=[name], speed={}, quorum={"min_quorum": 1})
+    with pytest.raises(ValidationError, match="3–42 characters"):
+        RunConfig(run_id=name)
