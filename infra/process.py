@@ -1,7 +1,10 @@
 """Child processes of the local stack.
 
 Each child starts in its own session, so the whole tree it spawns (uvicorn, flow-run
-subprocesses) can be ended with one signal to its process group.
+subprocesses) can be ended with one signal to its process group. Each group is also handed to
+a reaper: a small process that holds the read end of a pipe this process alone writes to. When
+this process ends, however it ends (SIGKILL, the OOM killer included), the pipe closes and the
+reaper ends every group it was given, so no server is left listening.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,18 +49,69 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
-def spawn(cmd: Sequence[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
-    """Start cmd in a new session with stdout and stderr appended to log_path."""
+REAP_GRACE_S = 5.0  # a group the reaper ends has this long after SIGTERM before SIGKILL
+
+
+class _Reaper:
+    """The reaper of this process's children (`python -m infra.process`), started with the first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._owner: int | None = None
+
+    def adopt(self, pgid: int) -> None:
+        """End group `pgid` when this process ends."""
+        with self._lock:
+            if self._proc is None or self._owner != os.getpid():  # a fork must not write its parent's pipe
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "infra.process"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    start_new_session=True,  # Ctrl-C in the terminal reaches the children, not it
+                )
+                self._owner = os.getpid()
+            self._proc.stdin.write(f"{pgid}\n".encode())
+            self._proc.stdin.flush()
+
+
+_reaper = _Reaper()
+
+
+def reap(stdin=sys.stdin.buffer) -> None:
+    """The reaper's loop: read process-group ids until end of file, then end those groups one
+    after another, the newest first, so that the learner runner's flow runs end (and report so)
+    while the Prefect and S3 servers they talk to are still up: SIGTERM, and SIGKILL for what is
+    left of a group after REAP_GRACE_S."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for pgid in reversed([int(line) for line in stdin]):
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + REAP_GRACE_S
+        while pid_alive(pgid, group=True) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _signal_group(pgid, signal.SIGKILL)
+
+
+def spawn(cmd: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """Start cmd in a new session with stdout and stderr appended to log_path; its group ends
+    when this process does, if not before."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             list(cmd),
             env={**env, "PYTHONUNBUFFERED": "1"},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            cwd=cwd,
         )
+    try:
+        _reaper.adopt(proc.pid)
+    except BaseException:
+        stop_group(proc)
+        raise
+    return proc
 
 
 def log_tail(log_path: Path, lines: int = 30) -> str:
@@ -127,3 +183,7 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     deadline = time.monotonic() + 5.0
     while pid_alive(pgid, group=True) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    reap()

@@ -1,8 +1,7 @@
-"""The local S3 endpoint: moto's server in its own process, so learners in other processes
-reach it over HTTP exactly as they would reach real S3.
-
-moto keeps objects in memory only; `snapshot` and `restore` copy buckets to and from
-`<folder>/<bucket>/<key>` so checkpoints outlive the process.
+"""S3 endpoints on 127.0.0.1 and what is shared by them: the test credentials, a client,
+bucket creation. moto's S3 server keeps every object in memory: tests use it (its IAM
+enforcement among others) and the data-plane benchmark compares it with the embedded stack's
+endpoint, SeaweedFS (infra/seaweed.py), which keeps them on disk.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -85,67 +83,7 @@ def lock_enabled(s3, bucket: str) -> bool:
     return config.get("ObjectLockEnabled") == "Enabled"
 
 
-def _local_path(folder: Path, bucket: str, key: str) -> Path | None:
-    """Where key is kept on disk, or None for keys a file tree cannot hold
-    (folder markers ending in '/', absolute or '..' paths)."""
-    parts = key.split("/")
-    if key.endswith("/") or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        return None
-    return folder.joinpath(bucket, *parts)
-
-
-def snapshot(url: str, folder: Path) -> int:
-    """Copy every object of every bucket into folder/<bucket>/<key>; returns the object count.
-
-    Written beside folder first and swapped in, so a crash mid-copy keeps the last snapshot.
-    """
-    s3 = client(url)
-    partial = folder.with_name(folder.name + ".partial")
-    old = folder.with_name(folder.name + ".old")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    count = 0
-    for bucket in (b["Name"] for b in s3.list_buckets().get("Buckets", [])):
-        (partial / bucket).mkdir()
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            for obj in page.get("Contents", []):
-                path = _local_path(partial, bucket, obj["Key"])
-                if path is None:
-                    log.warning("not saving s3://%s/%s: key has no file path", bucket, obj["Key"])
-                    continue
-                path.parent.mkdir(parents=True, exist_ok=True)
-                body = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"]
-                with open(path, "wb") as f:
-                    shutil.copyfileobj(body, f, 1 << 20)
-                count += 1
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        folder.rename(old)
-    partial.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
-    return count
-
-
-def restore(url: str, folder: Path) -> int:
-    """Recreate every bucket and object saved by `snapshot`; returns the object count."""
-    if not folder.exists():
-        old = folder.with_name(folder.name + ".old")
-        if not old.exists():
-            return 0
-        folder = old
-    s3 = client(url)
-    buckets = sorted(p for p in folder.iterdir() if p.is_dir())
-    create_buckets(url, [b.name for b in buckets])
-    count = 0
-    for bucket in buckets:
-        for path in sorted(p for p in bucket.rglob("*") if p.is_file()):
-            with open(path, "rb") as f:
-                s3.put_object(Bucket=bucket.name, Key=path.relative_to(bucket).as_posix(), Body=f)
-            count += 1
-    return count
-
-
-class S3Server:
+class MotoServer:
     """moto's S3 server as a child process on 127.0.0.1."""
 
     def __init__(self, log_path: Path):

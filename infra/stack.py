@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from infra.prefect_server import PrefectServer, api_healthy, ui_url_for
 from infra.process import free_port, pid_alive, spawn, stop_group
-from infra.s3_server import CREDENTIALS, S3Server, create_buckets, restore, s3_answers, snapshot
+from infra.s3_server import CREDENTIALS, create_buckets, s3_answers
+from infra.seaweed import SeaweedServer
 
 __all__ = ["LocalStack", "default_data_dir", "find_running", "free_port", "stack_env"]
 
@@ -30,9 +32,10 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("ISLANDS_HOME") or Path.cwd() / ".islands").absolute()
 
 
-def stack_env(data_dir: Path, s3_url: str, api_url: str) -> dict[str, str]:
-    """The variables every process of a run needs to reach this stack's S3 and Prefect."""
-    return {
+def stack_env(data_dir: Path, s3_url: str | None, api_url: str) -> dict[str, str]:
+    """The variables every process of a run needs to reach this stack's Prefect and, unless
+    s3_url is None (the run has a store of its own), its S3 endpoint with the test credentials."""
+    prefect = {
         # Where flows and learners send flow runs, logs and artifacts.
         "PREFECT_API_URL": api_url,
         # Links printed in flow-run logs point at this UI.
@@ -44,6 +47,11 @@ def stack_env(data_dir: Path, s3_url: str, api_url: str) -> dict[str, str]:
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",
         # Server and clients are the same installed Prefect; skip the version round trip.
         "PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED": "false",
+    }
+    if s3_url is None:
+        return prefect
+    return {
+        **prefect,
         # boto3, aiobotocore and s3fs all read these.
         "AWS_ENDPOINT_URL": s3_url,
         # Retry through a stalled or flaky endpoint instead of failing the run: standard mode
@@ -76,7 +84,7 @@ def find_running(data_dir: Path) -> dict | None:
 class LocalStack:
     """Starts and stops the local stack; use as a context manager.
 
-    Stopping saves every bucket to `<data_dir>/s3` first; starting restores it.
+    The S3 endpoint keeps its buckets in `<data_dir>/seaweedfs`, written as they are written.
     """
 
     def __init__(
@@ -86,9 +94,12 @@ class LocalStack:
         serve_learners: bool = True,
         s3_front: Callable[[str], str] | None = None,
         keep: bool = True,
+        s3: bool = True,
     ):
         """`s3_front` maps the S3 server's URL to the one every client is given (a fault proxy).
-        With keep=False the buckets are thrown away at stop instead of saved (a throwaway stack)."""
+        With keep=False the buckets are deleted at stop (a throwaway stack). With s3=False no S3
+        endpoint is started: the run has a store of its own, which every child reaches with the
+        caller's own AWS settings."""
         self.s3_front = s3_front
         self.keep = keep
         self._client_s3_url: str | None = None
@@ -96,16 +107,15 @@ class LocalStack:
         self.buckets = list(buckets)
         self.serve_learners = serve_learners
         self.logs = self.data_dir / "logs"
-        self.s3 = S3Server(self.logs / "s3-server.log")
+        self.s3 = SeaweedServer(self.data_dir / "seaweedfs", self.logs / "s3-server.log") if s3 else None
         self.prefect = PrefectServer(self.logs / "prefect-server.log")
         self._runner: subprocess.Popen | None = None
-        self._restored = False
         self._recorded = False
         self._old_sigterm = None
 
     @property
-    def s3_url(self) -> str:
-        return self.s3.url
+    def s3_url(self) -> str | None:
+        return self.s3.url if self.s3 else None
 
     @property
     def api_url(self) -> str:
@@ -120,10 +130,13 @@ class LocalStack:
         return stack_env(self.data_dir, self._client_s3_url or self.s3_url, self.api_url)
 
     def _child_env(self, **extra: str) -> dict[str, str]:
-        return {**os.environ, **extra}
+        """This process's environment and `extra`; with the embedded S3 endpoint, none of the
+        caller's own AWS settings (a profile, a session token) beside its test credentials."""
+        inherited = {k: v for k, v in os.environ.items() if self.s3 is None or not k.startswith("AWS_")}
+        return {**inherited, **extra}
 
     def start(self, record: bool = False) -> LocalStack:
-        """Start S3 (restoring the last snapshot), Prefect and, if asked, the learner runner.
+        """Start S3, Prefect and, if asked, the learner runner.
 
         With record=True, write `<data_dir>/stack.json` so other commands can find it.
         Whatever was started is stopped again if a later step fails.
@@ -138,10 +151,9 @@ class LocalStack:
         prefect_home = str(self.data_dir / "prefect")
         try:
             self.prefect.launch(self._child_env(PREFECT_HOME=prefect_home))
-            self.s3.start(self._child_env())
-            restore(self.s3_url, self.data_dir / "s3")
-            self._restored = True
-            create_buckets(self.s3_url, self.buckets)
+            if self.s3 is not None:
+                self.s3.start(self._child_env())
+                create_buckets(self.s3_url, self.buckets)
             if self.s3_front is not None:
                 self._client_s3_url = self.s3_front(self.s3_url)
             self.prefect.wait()
@@ -177,25 +189,20 @@ class LocalStack:
 
     def pids(self) -> list[int]:
         """Process ids of the children started (each leads its own process group)."""
-        procs = [self.s3.pid, self.prefect.pid, self._runner.pid if self._runner else None]
+        procs = [self.s3.pid if self.s3 else None, self.prefect.pid, self._runner.pid if self._runner else None]
         return [p for p in procs if p is not None]
 
     def stop(self) -> None:
-        """Save the buckets, then end every child process group. Safe to call twice.
-
-        The learner runner goes first so that no learner is writing while buckets are saved.
-        """
+        """End every child process group, the learner runner first (its learners write to
+        the servers), then the servers. Safe to call twice."""
         if self._runner is not None:
             stop_group(self._runner)
             self._runner = None
-        if self._restored and self.keep:
-            try:
-                snapshot(self.s3_url, self.data_dir / "s3")
-            except Exception as error:
-                print(f"islands: could not save the S3 buckets to {self.data_dir / 's3'}: {error}", file=sys.stderr)
-            self._restored = False
         self.prefect.stop()
-        self.s3.stop()
+        if self.s3 is not None:
+            self.s3.stop()
+            if not self.keep:
+                shutil.rmtree(self.s3.data_dir, ignore_errors=True)
         if self._recorded:
             (self.data_dir / STATE_FILE).unlink(missing_ok=True)
             self._recorded = False
