@@ -155,16 +155,45 @@ def fail(message: str, code: int = EXIT_CONFIG) -> int:
     return code
 
 
-def bring_up(stack_scope: ExitStack, buckets: list[str], s3_front=None) -> tuple[dict, bool]:
+def adopt(env: dict[str, str]) -> None:
+    """Make `env` this process's environment. With the embedded S3 endpoint (env names it), the
+    caller's own AWS settings go first: its test credentials are used with that endpoint alone,
+    and nothing of the caller's (a profile, a session token) is sent with them."""
+    if "AWS_ENDPOINT_URL" in env:
+        for key in [k for k in os.environ if k.startswith("AWS_")]:
+            del os.environ[key]
+    os.environ.update(env)
+
+
+def on_embedded_prefect() -> bool:
+    """Whether this command uses the embedded Prefect: no PREFECT_API_URL, or the one a running
+    `islands up` in this data folder printed (exported, as a user does to use the `prefect` CLI)."""
+    from infra.stack import default_data_dir, find_running
+
+    api = os.environ.get("PREFECT_API_URL")
+    if api is None:
+        return True
+    running = find_running(default_data_dir())
+    return running is not None and running["api_url"] == api.rstrip("/")
+
+
+def bring_up(stack_scope: ExitStack, buckets: list[str], s3_front=None, s3: bool = True) -> tuple[dict, bool]:
     """Environment of a running `islands up`, or of a stack started for this command's lifetime.
 
     `s3_front` (a fault proxy) needs a stack of its own, so that every process goes through it.
+    With s3=False (the run has a store of its own) the stack started has no S3 endpoint, and its
+    environment names none: every process reaches the store with the caller's AWS settings.
     """
     from infra.s3_server import create_buckets
     from infra.stack import LocalStack, default_data_dir, find_running, stack_env
 
     data_dir = default_data_dir()
     running = find_running(data_dir)
+    if running and not s3:
+        raise ConfigError(
+            f"store: `islands up` (pid {running['pid']}) serves {data_dir}, and its learners use its own S3 "
+            "endpoint, not your store; stop it, or set ISLANDS_HOME to another folder"
+        )
     if running and s3_front is not None:
         raise ConfigError(
             f"--chaos stall:s3 needs a stack of its own, but `islands up` is serving {data_dir}; "
@@ -174,10 +203,11 @@ def bring_up(stack_scope: ExitStack, buckets: list[str], s3_front=None) -> tuple
         create_buckets(running["s3_url"], buckets)
         return {**stack_env(data_dir, running["s3_url"], running["api_url"]), "ISLANDS_UI_URL": running["ui_url"]}, True
     print(
-        f"islands: starting the embedded stack (S3 endpoint, Prefect server, learner runner) in {data_dir} …",
+        f"islands: starting the embedded stack ({'S3 endpoint, ' if s3 else ''}Prefect server, learner runner) "
+        f"in {data_dir} …",
         file=sys.stderr,
     )
-    stack = stack_scope.enter_context(LocalStack(data_dir, buckets, s3_front=s3_front))
+    stack = stack_scope.enter_context(LocalStack(data_dir, buckets if s3 else [], s3_front=s3_front, s3=s3))
     return {**stack.env(), "ISLANDS_UI_URL": stack.ui_url}, False
 
 
@@ -207,8 +237,9 @@ def preflight(config: RunConfig) -> None:
     prepare_buckets(config, Stores(store_template(config), config.regions))
 
 
-def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) -> int:
-    """Run (or continue) `config` against the embedded stack or the configured store."""
+def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, stack: tuple | None = None) -> int:
+    """Run (or continue) `config` against the embedded stack or the configured store; `stack`
+    is what `bring_up` gave the caller, when it brought the stack up already."""
     from flows.chaos import Chaos
     from infra.s3_proxy import S3Proxy
     from storage.store import StoreError
@@ -223,16 +254,19 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) ->
 
         if stalls and config.store is not None:
             return fail("--chaos stall:s3 works on the embedded S3 endpoint only; drop --store")
-        if config.store is None or "PREFECT_API_URL" not in os.environ:
+        if stack is not None:
+            reused = stack[1]
+        elif config.store is None or on_embedded_prefect():
             try:
                 env, reused = bring_up(
-                    scope, ["islands-global", *(f"islands-{r}" for r in config.regions)], s3_front if stalls else None
+                    scope,
+                    ["islands-global", *(f"islands-{r}" for r in config.regions)],
+                    s3_front if stalls else None,
+                    s3=config.store is None,
                 )
             except ConfigError as exc:
                 return fail(str(exc))
-            if config.store is not None:
-                env.pop("AWS_ENDPOINT_URL", None)
-            os.environ.update(env)
+            adopt(env)
         else:
             reused = True
         try:
@@ -254,7 +288,7 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None) ->
             )
         ui = os.environ.get("ISLANDS_UI_URL")
         if ui:
-            hint = f"open {ui}" if reused else "run `islands up` to browse it again (its S3 buckets are restored)"
+            hint = f"open {ui}" if reused else "run `islands up` to browse it again (with its S3 buckets)"
             print(f"Prefect UI: {hint}; flow runs are named {summary['run_id']}/round-NNN", file=sys.stderr)
     if as_json:
         print(json.dumps(summary))
@@ -297,17 +331,19 @@ def check_faults(config: RunConfig, chaos: list[str]) -> str | None:
     return None
 
 
-def open_run(scope: ExitStack, run_id: str, store: str | None) -> tuple[str, RunConfig]:
-    """(the bucket template, the config) of an existing run, the embedded stack brought up when
-    no store is given; ConfigError when there is no such run."""
+def open_run(scope: ExitStack, run_id: str, store: str | None) -> tuple[str, RunConfig, tuple | None]:
+    """(the bucket template, the config, what `bring_up` gave) of an existing run, the embedded
+    stack brought up when no store is given (else None); ConfigError when there is no such run."""
     from storage.rounds import read_config
     from storage.store import ObjectMissing, StoreError, Stores
 
+    stack = None
     if store is None:
-        os.environ.update(bring_up(scope, ["islands-global"])[0])
+        stack = bring_up(scope, ["islands-global"])
+        adopt(stack[0])
     template = store or "s3://islands-{bucket}"
     try:
-        return template, read_config(Stores(template, []).global_, run_id)
+        return template, read_config(Stores(template, []).global_, run_id), stack
     except (ObjectMissing, StoreError) as exc:
         raise ConfigError(f"{run_id}: no such run in {template} ({exc})") from exc
 
@@ -315,11 +351,11 @@ def open_run(scope: ExitStack, run_id: str, store: str | None) -> tuple[str, Run
 def cmd_resume(args: argparse.Namespace) -> int:
     with ExitStack() as scope:
         try:
-            _, config = open_run(scope, args.run_id, args.store)
+            _, config, stack = open_run(scope, args.run_id, args.store)
         except ConfigError as exc:
             return fail(str(exc))
-    problem = check_faults(config, [])
-    return fail(problem) if problem else execute(config, args.json)
+        problem = check_faults(config, [])
+        return fail(problem) if problem else execute(config, args.json, stack=stack)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -349,10 +385,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "remove run_id from the config so each run gets a fresh one"
         )
     with ExitStack() as scope:
-        embedded = "PREFECT_API_URL" not in os.environ
+        embedded = on_embedded_prefect()
         if embedded:
             env, _ = bring_up(scope, ["islands-global", *(f"islands-{r}" for r in config.regions)])
-            os.environ.update(env)
+            adopt(env)
             print(f"Prefect UI: {env['ISLANDS_UI_URL']}", file=sys.stderr)
         # Prefect reads its settings when first imported: only after the stack's are in place.
         from flows.serve import driver_deployments, learner_deployment, serve_deployments
@@ -397,7 +433,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     with ExitStack() as scope:
         try:
-            template, config = open_run(scope, args.run_id, args.store)
+            template, config, _ = open_run(scope, args.run_id, args.store)
         except ConfigError as exc:
             return fail(str(exc))
         from flows.witness import read_witness
@@ -416,7 +452,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     with ExitStack() as scope:
         try:
-            template, _ = open_run(scope, args.run_id, args.store)
+            template, _, _ = open_run(scope, args.run_id, args.store)
             manifest, names = export_round(Stores(template, []), args.run_id, args.round, args.out)
         except IntegrityError as exc:
             return fail(f"{args.run_id}: the checkpoint does not match its manifest, nothing written ({exc})", 1)

@@ -28,7 +28,7 @@ BAD_ENDINGS = {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 
 def locate(store: str | None) -> str:
     """The store template to read: --store; else the S3 endpoint in the environment; else a running
-    `islands up` (whose API is then used too); else the buckets it saved when it stopped."""
+    `islands up` (whose API is then used too)."""
     from infra.stack import default_data_dir, find_running, stack_env
 
     if store is not None:
@@ -41,11 +41,9 @@ def locate(store: str | None) -> str:
         env = stack_env(data_dir, running["s3_url"], running["api_url"])
         os.environ.update({k: v for k, v in env.items() if k not in os.environ})
         return EMBEDDED_STORE
-    saved = data_dir / "s3"
-    if (saved / "islands-global").is_dir():
-        return f"file://{saved}/islands-{{bucket}}"
     raise StoreError(
-        f"no store to read: pass --store, set AWS_ENDPOINT_URL, or start `islands up` (looked in {data_dir})"
+        f"no store to read: pass --store, set AWS_ENDPOINT_URL, or start `islands up` to serve the buckets "
+        f"kept in {data_dir / 'seaweedfs'}"
     )
 
 
