@@ -1,5 +1,6 @@
 """The data plane at size: the synchronizer's critical path on a ~100M-parameter model's tensors
-(random values with a 100M GPT's shapes; nothing is trained) against moto's S3 server.
+(random values with a 100M GPT's shapes; nothing is trained) against moto's S3 server, then the
+same against SeaweedFS, the embedded stack's endpoint, for what keeping objects on disk costs.
 
 The path is the synchronizer's own code: tasks.collect.inspect_all reads, hashes, decodes and
 validates the K deltas, two at a time as collect does; tasks.merge_step.apply_merge merges them,
@@ -27,7 +28,7 @@ from pathlib import Path
 import fsspec
 import torch
 
-from benchmarks.report import Result, Row, at_least, at_most, standalone
+from benchmarks.report import Result, Row, at_least, at_most, figure, standalone
 from storage import layout
 from storage.codec import encode
 from storage.manifest import ObjectRef
@@ -192,51 +193,89 @@ def throughput_row(k: int, m: dict) -> Row:
     )
 
 
-def run(quick: bool) -> Result:
-    from infra.s3_server import CREDENTIALS, S3Server, create_buckets
+def endpoints(tmp: Path) -> dict:
+    """The servers compared, by name: moto's S3 server (objects in memory) and SeaweedFS, the
+    embedded stack's endpoint (objects on disk, each fsynced before it is acknowledged)."""
+    from infra.s3_server import MotoServer
+    from infra.seaweed import SeaweedServer
 
+    return {"moto": MotoServer(tmp / "moto.log"), "seaweedfs": SeaweedServer(tmp / "seaweedfs", tmp / "weed.log")}
+
+
+def measure_on(server, cfg: GPTConfig, ks: tuple[int, ...]) -> dict[str, dict]:
+    """The synchronizer's critical path and the boto3 baseline at each K against one server."""
+    from infra.s3_server import CREDENTIALS, create_buckets
+
+    before = dict(os.environ)
+    os.environ.update(CREDENTIALS)
+    env = dict(os.environ)
+    url = server.start(env)
+    raw = {}
+    try:
+        create_buckets(url, ["islands-global", *(f"islands-{r}" for r in REGIONS)])
+        env["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"] = url
+        # s3fs clients are cached per process: drop those bound to another endpoint.
+        fsspec.get_filesystem_class("s3").clear_instance_cache()
+        for k in ks:
+            refs = write_inputs(cfg, k, Stores(STORE, REGIONS))
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.dataplane",
+                    "--child",
+                    str(k),
+                    "--s3",
+                    url,
+                    "--server-pid",
+                    str(server.pid),
+                ],
+                input=json.dumps(refs),
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"dataplane child K={k} failed:\n{out.stderr[-3000:]}")
+            raw[f"k{k}"] = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(before)  # later parts talk to their own endpoint again
+        fsspec.get_filesystem_class("s3").clear_instance_cache()
+    return raw
+
+
+def server_cpu_s(m: dict) -> float:
+    """CPU seconds the server spent, user and kernel, while the synchronizer's critical path ran."""
+    return sum(
+        m["cpu_s"][step][kind]
+        for step in ("read_and_validate", "merge", "write")
+        for kind in ("server_user", "server_sys")
+    )
+
+
+def endpoint_row(k: int, moto: dict, weed: dict) -> Row:
+    """SeaweedFS against moto on the same bytes: the synchronizer's critical path and boto3's."""
+    return figure(
+        f"dataplane: SeaweedFS / moto synchronizer throughput, K={k}",
+        moto["critical_path_s"] / weed["critical_path_s"],
+        f"above 1 the embedded endpoint (on disk, fsynced) is faster than moto (in memory); the same "
+        f"{weed['bytes_moved'] / 2**20:.0f} MiB took the synchronizer {weed['critical_path_s']:.1f} s on SeaweedFS "
+        f"and {moto['critical_path_s']:.1f} s on moto, plain boto3 {weed['raw_boto3_s']:.1f} s and "
+        f"{moto['raw_boto3_s']:.1f} s; the servers spent {server_cpu_s(weed):.1f} s and {server_cpu_s(moto):.1f} s "
+        "of CPU on the critical path",
+    )
+
+
+def run(quick: bool) -> Result:
     cfg, ks = (QUICK, (2, 4)) if quick else (FULL, (2, 4, 8))
     params = sum(s.numel() for s in shapes(cfg).values())
     model_bytes = 4 * params
     res = Result("dataplane", settings={"model": cfg.__dict__, "params": params, "K": ks, "codec": "fp32"})
     with tempfile.TemporaryDirectory() as tmp:
-        server = S3Server(Path(tmp) / "s3.log")
-        before = dict(os.environ)
-        os.environ.update(CREDENTIALS)
-        env = dict(os.environ)
-        url = server.start(env)
-        try:
-            create_buckets(url, ["islands-global", *(f"islands-{r}" for r in REGIONS)])
-            env["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"] = url
-            # s3fs clients are cached per process: drop those bound to another part's endpoint.
-            fsspec.get_filesystem_class("s3").clear_instance_cache()
-            for k in ks:
-                refs = write_inputs(cfg, k, Stores(STORE, REGIONS))
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "benchmarks.dataplane",
-                        "--child",
-                        str(k),
-                        "--s3",
-                        url,
-                        "--server-pid",
-                        str(server.pid),
-                    ],
-                    input=json.dumps(refs),
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                )
-                if out.returncode != 0:
-                    raise RuntimeError(f"dataplane child K={k} failed:\n{out.stderr[-3000:]}")
-                res.raw[f"k{k}"] = json.loads(out.stdout.strip().splitlines()[-1])
-        finally:
-            server.stop()
-            os.environ.clear()
-            os.environ.update(before)  # later parts talk to their own endpoint again
-            fsspec.get_filesystem_class("s3").clear_instance_cache()
+        on = {name: measure_on(server, cfg, ks) for name, server in endpoints(Path(tmp)).items()}
+    res.raw = {**on["moto"], "seaweedfs": on["seaweedfs"]}
     for k in ks:
         res.rows.append(throughput_row(k, res.raw[f"k{k}"]))
     for k in ks:
@@ -251,6 +290,8 @@ def run(quick: bool) -> Result:
                 "themselves, and per-tensor buffers and the process's growth come on top",
             )
         )
+    for k in ks:
+        res.rows.append(endpoint_row(k, on["moto"][f"k{k}"], on["seaweedfs"][f"k{k}"]))
     return res
 
 
