@@ -96,14 +96,16 @@ def test_sigkill_of_run_leaves_no_process_and_resume_finishes_it(tmp_path):
     t0 = time.monotonic()
     args = ["--regions", "north,south", "--rounds", str(ROUNDS), "--inner-steps", "5"]
     run = islands(env, "run", "--run-id", RUN, *args)
-    url = wait_until(lambda: s3_url(home), 120, "the run's S3 endpoint")
-    wait_until(lambda: published(url, KILL_AFTER) or run.poll() is not None, 300, f"round {KILL_AFTER}")
-    assert run.poll() is None, run.communicate()[1][-3000:]
-    stack = processes_of(home)
-    ports = listening_ports(stack)
-    assert len(ports) >= 9, stack  # SeaweedFS's eight and the Prefect server's
-    run.send_signal(signal.SIGKILL)
-    run.communicate()
+    try:
+        url = wait_until(lambda: s3_url(home), 120, "the run's S3 endpoint")
+        wait_until(lambda: published(url, KILL_AFTER) or run.poll() is not None, 600, f"round {KILL_AFTER}")
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        stack = processes_of(home)
+        ports = listening_ports(stack)
+        assert len(ports) >= 9, stack  # SeaweedFS's eight and the Prefect server's
+    finally:
+        run.send_signal(signal.SIGKILL)  # also when a wait failed: its reaper ends the rest
+        run.communicate()
     killed_at = time.monotonic()
 
     wait_until(lambda: not processes_of(home), 30, "the killed run's processes to end")
