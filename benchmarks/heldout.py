@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-from storage.corpus import read_corpus
+from storage.text import read_corpus
 from tasks.core.data import evaluate, split_held_out
 from tasks.core.model import PRESETS, build_model
 from tasks.round_state import held_out_batches

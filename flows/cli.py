@@ -46,7 +46,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--inner-steps", type=int, help="H, inner steps per phase")
     run.add_argument("--min-quorum", type=int, help="Q_min")
     run.add_argument("--store", help="bucket URL template, e.g. s3://islands-{bucket} or file:///data/islands/{bucket}")
-    run.add_argument("--corpus", help="fsspec URL or glob of the training text (default: stdlib)")
+    run.add_argument("--corpus", help="token shards (folder with dataset.json) or text: URL, glob or folder")
+    run.add_argument("--eval-corpus", help="held-out split, as --corpus takes (default: from the corpus)")
+    run.add_argument("--tokenizer", help="tokenizer of a text corpus (default: bytes)")
     run.add_argument(
         "--model", help="tiny, small, a Hugging Face model folder or config.json, or python:module:function"
     )
@@ -62,6 +64,13 @@ def parser() -> argparse.ArgumentParser:
         help="inject a fault (repeatable or comma-separated): kill:REGION@roundN, restart:REGION@roundN, "
         "stall:s3@40s+20s, crash:synchronizer@POINT[@roundN]",
     )
+
+    prep = sub.add_parser("prepare", help="tokenize text into token shards and their dataset.json, on all cores")
+    prep.add_argument("src", help="text: a file, folder or glob of .txt, .jsonl or .parquet (fsspec URL), or stdlib")
+    prep.add_argument("dst", help="folder for the shards, any fsspec URL, e.g. s3://bucket/data/corpus")
+    prep.add_argument("--tokenizer", help="tokenizer.json or Hugging Face tokenizer folder (default: bytes)")
+    prep.add_argument("--shard-mb", type=float, default=64.0, help="text per shard, in MB (default 64)")
+    prep.add_argument("--workers", type=int, help="processes (default: every core)")
 
     up = sub.add_parser("up", help="start the local S3 endpoint, Prefect server + UI and learner runner")
     up.add_argument("--regions", help="regional buckets to create (default: the demo's)")
@@ -133,6 +142,8 @@ def overrides(args: argparse.Namespace) -> dict:
         "inner_steps": "inner_steps",
         "store": "store",
         "corpus": "corpus",
+        "eval_corpus": "eval_corpus",
+        "tokenizer": "tokenizer",
         "model": "model",
         "codec": "codec",
         "learners_per_region": "learners_per_region",
@@ -237,6 +248,52 @@ def preflight(config: RunConfig) -> None:
     prepare_buckets(config, Stores(store_template(config), config.regions))
 
 
+def check_data(config: RunConfig) -> None:
+    """Before anything is written: the corpus and tokenizer exist and fit the model (ValueError, one line)."""
+    from storage.corpus import check_corpus
+    from storage.model_files import local_model
+    from tasks.core.model import skeleton, vocab_and_context
+
+    vocab, _ = vocab_and_context(skeleton(local_model(config.model), config.seed))
+    check_corpus(config.corpus, config.eval_corpus, config.tokenizer, vocab)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Tokenize SRC into shards under DST, showing a progress bar over the text."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from storage.prepare import groups, prepare
+    from storage.tokenizer import load_tokenizer
+
+    if not args.shard_mb > 0:
+        return fail(f"--shard-mb {args.shard_mb:g}: give the megabytes of text per shard, more than 0")
+    shard_bytes = int(args.shard_mb * 1e6)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer, "--tokenizer")
+        plan = groups(args.src, tokenizer, shard_bytes)
+    except ValueError as exc:
+        return fail(str(exc))
+    columns = (TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[shards]}"))
+    with Progress(*columns, TimeRemainingColumn(), transient=False) as bar:
+        task = bar.add_task("prepare", total=sum(g.bytes for g in plan), shards=f"0/{len(plan)} shards")
+        done = skipped = 0
+
+        def on_shard(size: int, made: bool) -> None:
+            nonlocal done, skipped
+            done += 1
+            skipped += not made
+            bar.update(task, advance=size, shards=f"{done}/{len(plan)} shards, {skipped} already there")
+
+        dataset, made = prepare(plan, args.dst, tokenizer, args.tokenizer, args.workers, on_shard)
+    tokens = sum(s.tokens for s in dataset.shards)
+    print(
+        f"islands: {args.dst}: {len(dataset.shards)} shards ({made} written, {len(dataset.shards) - made} already "
+        f"there), {tokens:,} {dataset.dtype} tokens, tokenizer {dataset.tokenizer.name} "
+        f"(vocabulary {dataset.tokenizer.vocab_size})"
+    )
+    return 0
+
+
 def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, stack: tuple | None = None) -> int:
     """Run (or continue) `config` against the embedded stack or the configured store; `stack`
     is what `bring_up` gave the caller, when it brought the stack up already."""
@@ -270,8 +327,9 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, st
         else:
             reused = True
         try:
+            check_data(config)
             preflight(config)
-        except StoreError as exc:
+        except (StoreError, ValueError) as exc:
             return fail(str(exc))
         if "{region}" not in config.learner_deployment and "{learner}" not in config.learner_deployment:
             wait_for_learner_deployment(config.learner_deployment)
@@ -489,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {
         "run": cmd_run,
+        "prepare": cmd_prepare,
         "up": cmd_up,
         "resume": cmd_resume,
         "serve": cmd_serve,

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from storage.corpus import STDLIB, read_corpus
+from storage.corpus import STDLIB, training_part
 from storage.model_files import local_model
 from tasks.core.config import InnerSettings
-from tasks.core.data import BatchSampler, split_held_out
+from tasks.core.data import BatchSampler, Stream
 from tasks.core.inner import InnerTrainer
 from tasks.core.model import build_model, params_of, vocab_and_context
 
@@ -30,7 +30,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tasks.ddp_phase", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="the run's model: a preset, an HF folder or config.json, python:...")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
-    p.add_argument("--corpus", default=STDLIB, help="fsspec URL or glob of the training text")
+    p.add_argument("--corpus", default=STDLIB, help="token shards or text, as RunConfig.corpus takes")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all ranks together")
     p.add_argument("--steps", type=int, default=50, help="H, inner steps")
     p.add_argument("--base", type=Path, help="safetensors of the round to train from (default: the initial weights)")
@@ -43,8 +43,9 @@ def train_phase(args: argparse.Namespace, distributed: bool) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(local_model(args.model), args.seed)
-    train, _ = split_held_out(read_corpus(args.corpus))
-    sampler = BatchSampler(train, args.batch_size, vocab_and_context(model)[1], seed=args.seed)
+    vocab, context = vocab_and_context(model)
+    reader, segments = training_part(args.corpus)
+    sampler = BatchSampler(Stream(reader, segments, context + 1, vocab), args.batch_size, context, seed=args.seed)
     trainer = InnerTrainer(model, sampler, InnerSettings(), device, ddp=distributed)
     base = load_file(args.base) if args.base else params_of(model)
     result = trainer.run_phase(base, args.steps)

@@ -32,8 +32,17 @@ def held_out_loss(config: RunConfig, params: dict[str, torch.Tensor]) -> float:
     so θ is not copied."""
     model = skeleton(local_model(config.model), config.seed)
     assign_params(model, params)
-    _, context = vocab_and_context(model)
-    return evaluate(model, held_out_batches(config.corpus, config.inner.batch_size, context, config.eval_batches))
+    vocab, context = vocab_and_context(model)
+    batches = held_out_batches(
+        config.corpus,
+        config.inner.batch_size,
+        context,
+        config.eval_batches,
+        eval_corpus=config.eval_corpus,
+        tokenizer=config.tokenizer,
+        vocab_size=vocab,
+    )
+    return evaluate(model, batches)
 
 
 def commit_evaluation(store: ObjectStore, evaluation: Evaluation) -> float:

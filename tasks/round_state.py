@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from storage.corpus import read_corpus
+from storage.corpus import held_out_part
 from storage.manifest import Contribution, Manifest
 from storage.rounds import get_tensors, read_chain
 from storage.spool import SpoolFolder, remove_dead
 from storage.store import Stores
 from tasks.core.compress import split_residual
 from tasks.core.config import RunConfig
-from tasks.core.data import eval_batches, split_held_out
+from tasks.core.data import Stream, eval_batches
 from tasks.core.quorum import LearnerHistory
 
 HISTORY = 5
@@ -30,9 +30,19 @@ _CHAINS: dict[tuple[str, str], list[tuple[Manifest, str]]] = {}  # checked chain
 
 
 @lru_cache(maxsize=2)
-def held_out_batches(corpus: str, batch_size: int, block_size: int, n: int) -> list:
-    _, held = split_held_out(read_corpus(corpus))
-    return eval_batches(held, batch_size, block_size, n, seed=0)
+def held_out_batches(
+    corpus: str,
+    batch_size: int,
+    block_size: int,
+    n: int,
+    *,
+    eval_corpus: str | None = None,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
+) -> list:
+    """The `n` batches every round is evaluated on, from the held-out split's first chunk onwards."""
+    reader, segments = held_out_part(corpus, eval_corpus, tokenizer)
+    return eval_batches(Stream(reader, segments, block_size + 1, vocab_size), batch_size, block_size, n, seed=0)
 
 
 @dataclass

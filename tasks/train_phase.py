@@ -32,7 +32,7 @@ from prefect.cache_policies import NO_CACHE
 from storage import layout
 from storage.cache import regional_get
 from storage.codec import decode, decode_state, encode_state, encode_wire
-from storage.corpus import read_corpus
+from storage.corpus import training_part
 from storage.lease import Watch
 from storage.manifest import Manifest, ObjectRef
 from storage.model_files import local_model
@@ -40,7 +40,7 @@ from storage.rounds import checkpoint_metadata, newest_round_from, read_manifest
 from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.core.compress import compress_with_feedback, residual_state, split_residual
 from tasks.core.config import RunConfig
-from tasks.core.data import BatchSampler, shard, split_held_out
+from tasks.core.data import BatchSampler, Stream, assign
 from tasks.core.inner import InnerTrainer, carried
 from tasks.core.merge import apply_update
 from tasks.core.model import build_model, params_of, vocab_and_context
@@ -115,10 +115,15 @@ class LearnerSession:
         torch.set_num_threads(config.threads_per_learner())
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = build_model(local_model(config.model), config.seed).to(device)
-        _, context = vocab_and_context(model)
-        train, _ = split_held_out(read_corpus(config.corpus))
-        data = shard(train, index[learner], config.num_learners, block_size=context)
-        sampler = BatchSampler(data, config.inner.batch_size, context, seed=config.seed * 1000 + index[learner])
+        vocab, context = vocab_and_context(model)
+        reader, segments = training_part(config.corpus, config.eval_corpus, config.tokenizer)
+        mine = assign(segments, index[learner], config.num_learners, block_size=context)
+        sampler = BatchSampler(
+            Stream(reader, mine, context + 1, vocab),
+            config.inner.batch_size,
+            context,
+            seed=config.seed * 1000 + index[learner],
+        )
         trainer = InnerTrainer(model, sampler, config.inner, device=device)
         session = cls(config, run, learner, region, stores, trainer, device=device)
         session.restore()

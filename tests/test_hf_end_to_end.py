@@ -17,7 +17,7 @@ from conftest import STACK_REGIONS
 from hf_models import write_llama
 from safetensors.torch import save_file
 
-from storage.corpus import stdlib_files
+from storage.text import stdlib_files
 from tasks.round_state import held_out_batches
 
 TESTS = Path(__file__).parent

@@ -142,7 +142,15 @@ class RunConfig(BaseModel):
         description="The model: a preset, tiny (~0.9M params) or small (~11M); a Hugging Face model folder or config.json (a path, file:// or s3://), built from the seed or, when the folder has weights, loaded; or python:package.module:function, a factory returning a torch.nn.Module whose forward(input_ids, labels) returns the loss.",
     )
     corpus: str = Field(
-        "stdlib", description="fsspec URL or glob of the training text; 'stdlib' = Python's own sources."
+        "stdlib",
+        description="Token shards (a folder with its dataset.json, from `islands prepare`), or text: an fsspec URL, glob or folder of .txt, .jsonl or .parquet files; 'stdlib' = Python's own sources. The held-out split is eval_corpus, else the last shard (of text: its last 5 %).",
+    )
+    eval_corpus: str | None = Field(
+        None, description="The held-out split, in any form corpus takes (empty: taken from corpus)."
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer of a text corpus: a tokenizer.json or a Hugging Face tokenizer folder (empty: bytes, vocabulary 256). Its vocabulary must fit the model's.",
     )
     seed: int = Field(0, description="Seed of the initial model and of every learner's data order.")
     speed: dict[str, float] = Field(
