@@ -110,5 +110,5 @@ class Shards:
                 )
 
     def read(self, shard: int, start: int, end: int) -> np.ndarray:
-        raw = self.fs.cat_file(self.paths[shard], start * self.itemsize, end * self.itemsize)
+        raw = self.fs.cat_file(self.paths[shard], start=start * self.itemsize, end=end * self.itemsize)
         return np.frombuffer(raw, self.dtype).astype(np.int32)
