@@ -30,7 +30,7 @@ DATASET = "s3://islands-global/datasets/stdlib-bytes"
 
 def islands(env: dict, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -80,7 +80,7 @@ def test_a_run_trains_on_the_shards_for_three_rounds_in_two_regions(prepared, en
         "--rounds",
         "3",
         "--inner-steps",
-        "8",
+        "4",
         "--min-quorum",
         "2",
         "--json",
@@ -94,7 +94,7 @@ def test_a_run_trains_on_the_shards_for_three_rounds_in_two_regions(prepared, en
         keys = stores.region(region).list(layout.learner_state_prefix("shards-run", learner))
         state = decode_state(stores.region(region).get(sorted(keys)[-1]))
         steps = int(state["trainer.step"])
-        assert steps >= 8 and int(state["sampler.draws"]) == steps  # one batch per step, the cursor saved
+        assert steps >= 4 and int(state["sampler.draws"]) == steps  # one batch per step, the cursor saved
 
 
 @pytest.fixture
@@ -170,5 +170,5 @@ def test_an_id_outside_the_models_vocabulary_fails_the_phase_naming_shard_and_of
         train_phase(session, 0)
     session.uploads.close()
     regional = stores.region("north")
-    assert regional.list(layout.learner_deltas_prefix("shards-bad-ids", "north-0")) == []
-    assert regional.list(layout.learner_state_prefix("shards-bad-ids", "north-0")) == []
+    assert not regional.list(layout.learner_deltas_prefix("shards-bad-ids", "north-0"))
+    assert not regional.list(layout.learner_state_prefix("shards-bad-ids", "north-0"))
