@@ -95,10 +95,15 @@ def data(tmp_path_factory) -> tuple[Path, str]:
 
 
 def train(env: dict, tmp: Path, run_id: str, model: str, corpus: str, context: int) -> dict:
+    """Three rounds of `model`. A learner waits for each new round before its next phase, and
+    each inner step takes at least 0.1 s: learners of a model whose steps take microseconds would
+    otherwise run hundreds of phases (task runs) a round, more than the Prefect server's SQLite
+    takes on a loaded machine."""
     config = tmp / f"{run_id}.toml"
+    floor = ", ".join(f'"{r}" = 0.1' for r in STACK_REGIONS)
     config.write_text(
         f'run_id = "{run_id}"\nmodel = "{model}"\ncorpus = "{corpus}"\nregions = {json.dumps(STACK_REGIONS)}\n'
-        f"rounds = {ROUNDS}\ninner_steps = 4\neval_batches = {EVAL_BATCHES}\n"
+        f"rounds = {ROUNDS}\ninner_steps = 4\neval_batches = {EVAL_BATCHES}\nmin_step_s = {{ {floor} }}\nlearner_wait_s = 30\n"
         f"[inner]\nbatch_size = {BATCH}\nwarmup_steps = 2\ntotal_steps = 40\nlr = 0.003\n"
     )
     summary = json.loads(islands(env, "run", "--config", str(config), "--json").stdout.strip().splitlines()[-1])
