@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch._dynamo  # noqa: F401 - torch.optim imports it at the first optimizer: here once, not in every fork
 
-from benchmarks.heldout import BATCH, PRESET, train_bytes
+from benchmarks.heldout import BATCH, PRESET, context, train_bytes
 from tasks.core.config import InnerSettings
 from tasks.core.data import BatchSampler, shard
 from tasks.core.inner import InnerTrainer
@@ -30,13 +30,16 @@ def main() -> None:
     p.add_argument("--inner-steps", type=int, required=True)
     p.add_argument("--min-step-s", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=PRESET, help="a local model spec (tasks.core.model.build_model)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    job = (args.learners, args.steps, args.inner_steps, args.min_step_s, args.seed)
+    job = (args.learners, args.steps, args.inner_steps, args.min_step_s, args.seed, args.model)
     print(json.dumps(train(args.index, *job) if args.index is not None else side_by_side(*job)))
 
 
-def side_by_side(learners: int, steps: int, inner_steps: int, min_step_s: float = 0.0, seed: int = 0) -> list[dict]:
+def side_by_side(
+    learners: int, steps: int, inner_steps: int, min_step_s: float = 0.0, seed: int = 0, model: str = PRESET
+) -> list[dict]:
     """Every learner's `train` at once, each in a fork of this process, as the pipeline's learners
     are forks of the learner runner's fork server: one interpreter's imports of torch and
     torch._dynamo, not one per learner. Only for a process that has run
@@ -47,7 +50,9 @@ def side_by_side(learners: int, steps: int, inner_steps: int, min_step_s: float 
     try:
         for index in range(learners):
             conn, theirs = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_report, args=(theirs, index, learners, steps, inner_steps, min_step_s, seed))
+            proc = ctx.Process(
+                target=_report, args=(theirs, index, learners, steps, inner_steps, min_step_s, seed, model)
+            )
             proc.start()
             theirs.close()  # a child's death reads as EOF here, not a hang
             conns.append(conn)
@@ -63,14 +68,22 @@ def _report(conn: Connection, *job) -> None:
     conn.close()
 
 
-def train(index: int, learners: int, steps: int, inner_steps: int, min_step_s: float = 0.0, seed: int = 0) -> dict:
+def train(
+    index: int,
+    learners: int,
+    steps: int,
+    inner_steps: int,
+    min_step_s: float = 0.0,
+    seed: int = 0,
+    model: str = PRESET,
+) -> dict:
     """Learner `index`'s inner loop on this process's threads, phase after phase from its own
     θ, until it has trained `steps` batches' tokens; the model is built before the clock starts."""
-    model = build_model(PRESET, seed)
-    data = shard(train_bytes(), index, learners, block_size=model.config.block_size)
-    sampler = BatchSampler(data, BATCH, model.config.block_size, seed=seed * 1000 + index)
-    trainer = InnerTrainer(model, sampler, InnerSettings())
-    t0, tokens, done, theta = time.perf_counter(), 0, 0, params_of(model)
+    net, block = build_model(model, seed), context(model)
+    data = shard(train_bytes(), index, learners, block_size=block)
+    sampler = BatchSampler(data, BATCH, block, seed=seed * 1000 + index)
+    trainer = InnerTrainer(net, sampler, InnerSettings())
+    t0, tokens, done, theta = time.perf_counter(), 0, 0, params_of(net)
     while tokens < steps * sampler.tokens_per_batch:
         result = trainer.run_phase(theta, inner_steps, min_step_s=min_step_s)
         theta = {k: theta[k] - result.delta[k] for k in theta}

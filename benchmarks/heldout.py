@@ -13,7 +13,7 @@ import torch
 
 from storage.text import read_corpus
 from tasks.core.data import evaluate, split_held_out
-from tasks.core.model import PRESETS, build_model
+from tasks.core.model import assign_params, skeleton, vocab_and_context
 from tasks.round_state import held_out_batches
 
 CORPUS = "stdlib"
@@ -27,11 +27,16 @@ def train_bytes() -> bytes:
     return split_held_out(read_corpus(CORPUS))[0]
 
 
-def batches() -> list:
-    return held_out_batches(CORPUS, BATCH, PRESETS[PRESET].block_size, EVAL_BATCHES)
+def context(model: str = PRESET) -> int:
+    """The context length of `model` (a local spec), which every batch's windows have."""
+    return vocab_and_context(skeleton(model, 0))[1]
 
 
-def loss(params: dict[str, torch.Tensor]) -> float:
-    model = build_model(PRESET, 0)
-    model.load_state_dict(params)
-    return evaluate(model, batches())
+def batches(model: str = PRESET) -> list:
+    return held_out_batches(CORPUS, BATCH, context(model), EVAL_BATCHES)
+
+
+def loss(params: dict[str, torch.Tensor], model: str = PRESET) -> float:
+    net = skeleton(model, 0)
+    assign_params(net, params)
+    return evaluate(net, batches(model))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from benchmarks.heldout import BATCH, PRESET, train_bytes
+from benchmarks.heldout import BATCH, PRESET, context, train_bytes
 from tasks.core.config import InnerSettings, MergeSettings
 from tasks.core.data import BatchSampler, shard
 from tasks.core.inner import InnerTrainer
@@ -37,15 +37,16 @@ class Budget:
     learners: int = 4
     steps: int = 600  # per learner
     warmup: int = 50
+    model: str = PRESET  # a local model spec (tasks.core.model.build_model)
 
     @property
     def tokens(self) -> int:
-        return self.learners * self.steps * BATCH * build_model(PRESET, 0).config.block_size
+        return self.learners * self.steps * BATCH * context(self.model)
 
     @property
     def second_half(self) -> Budget:
         """What is left after the warm start (data-parallel's half-way model)."""
-        return Budget(learners=self.learners, steps=self.steps // 2, warmup=self.warmup)
+        return Budget(learners=self.learners, steps=self.steps // 2, warmup=self.warmup, model=self.model)
 
 
 @lru_cache(maxsize=2)
@@ -91,8 +92,8 @@ def train_data_parallel(budget: Budget, seed: int, procs: int = 1) -> tuple[dict
 
 def dp_train(budget: Budget, seed: int, ddp: bool) -> tuple[dict, dict]:
     """The data-parallel model's training, in one process or as one rank of a group."""
-    model = build_model(PRESET, seed)
-    sampler = BatchSampler(train_bytes(), budget.learners * BATCH, model.config.block_size, seed=seed * 1000)
+    model = build_model(budget.model, seed)
+    sampler = BatchSampler(train_bytes(), budget.learners * BATCH, context(budget.model), seed=seed * 1000)
     trainer = InnerTrainer(model, sampler, InnerSettings(warmup_steps=budget.warmup, total_steps=budget.steps), ddp=ddp)
     half = budget.steps // 2
     trainer.run_phase(params_of(model), half)
@@ -134,7 +135,7 @@ def sync_diloco(
     torch.set_num_threads(1), since each learner runs the same ops and the merge stays here."""
     if procs < 1:
         raise ValueError(f"procs must be >= 1, got {procs}")
-    theta = init if init is not None else params_of(build_model(PRESET, seed))
+    theta = init if init is not None else params_of(build_model(budget.model, seed))
     momentum = None
     phases = (
         nullcontext(partial(phase_deltas, learner_trainers(budget, seed, range(budget.learners))))
@@ -152,11 +153,11 @@ def sync_diloco(
 def learner_trainers(budget: Budget, seed: int, learners: range) -> list[InnerTrainer]:
     """The trainers of `learners` as the pipeline builds them: learner i on shard i with sampler seed
     seed·1000 + i. One construction for the serial loop and the workers, so both train the same run."""
-    block = build_model(PRESET, seed).config.block_size
+    block = context(budget.model)
     cfg = InnerSettings(warmup_steps=budget.warmup, total_steps=budget.steps)
     return [
         InnerTrainer(
-            build_model(PRESET, seed),
+            build_model(budget.model, seed),
             BatchSampler(
                 shard(train_bytes(), i, budget.learners, block_size=block), BATCH, block, seed=seed * 1000 + i
             ),

@@ -99,6 +99,7 @@ class Spec:
     token_budget: int | None = None  # end the run once its rounds have merged this many tokens
     eval_every: int = 1  # 0: the synchronizer evaluates the last round only (RunConfig.eval_every)
     eval_batches: int = EVAL_BATCHES  # held-out batches of the synchronizer's evaluations (`eval_batches`)
+    model: str = PRESET  # RunConfig.model
 
     def config(self) -> dict:
         return {
@@ -106,7 +107,7 @@ class Spec:
             "regions": list(REGIONS),
             "rounds": self.rounds,
             "inner_steps": self.inner_steps,
-            "model": PRESET,
+            "model": self.model,
             "corpus": CORPUS,
             "seed": self.seed,
             "speed": dict(self.speed),

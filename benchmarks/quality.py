@@ -31,7 +31,7 @@ def hs(quick: bool) -> tuple[int, ...]:
 
 
 def decoupled_spec(
-    quick: bool, h: int, seed: int = 0, init: str | None = None, steps: int | None = None
+    quick: bool, h: int, seed: int = 0, init: str | None = None, steps: int | None = None, model: str = heldout.PRESET
 ) -> pipeline.Spec:
     """4 learners, one at a third of the speed, Q_min 2. The run ends at the round that has
     merged the budget's tokens (`token_budget`), by which the learners have trained them too.
@@ -52,9 +52,10 @@ def decoupled_spec(
         warmup=b.warmup,
         total_steps=steps,
         init=init,
-        token_budget=Budget(b.learners, steps, b.warmup).tokens,
+        token_budget=Budget(b.learners, steps, b.warmup, model).tokens,
         eval_every=0,
         eval_batches=pipeline.eval_batches(quick),
+        model=model,
     )
 
 
@@ -72,7 +73,7 @@ def at_budget(spec: pipeline.Spec, tokens: int) -> tuple[float, dict]:
     }
     if run.trained_tokens(r) < tokens:
         facts["short_of_budget"] = True
-    return heldout.loss(run.model(r)), facts
+    return heldout.loss(run.model(r), spec.model), facts
 
 
 SYNC_LIMIT = "synchronous DiLoCo, η 0.7 and μ 0.8, over this budget (60 rounds at H=10)"
