@@ -1,9 +1,10 @@
-"""The Prefect UI, in headless Chromium: a training run started from the deployment with the
-parameters its run form submits shows its rounds and their table artifacts, and its report. The
-same run, seen by `islands status` while it runs and after it finished.
+"""The Prefect UI, in headless Chromium driven by Playwright: a training run started by filling in
+the deployment's Run form as a person would shows its rounds and their table artifacts, and its
+report. The same run, seen by `islands status` while it runs and after it finished.
 
-Screenshots land in test-output/ (gitignored). Chromium comes from Debian's packages; the test
-installs it when missing and it can (root, apt-get), and skips saying why otherwise.
+Screenshots land in test-output/ (gitignored). Chromium comes from Debian's packages (Playwright
+drives it through executable_path and downloads no browser); the test installs it when missing
+and it can (root, apt-get), and skips saying why otherwise.
 """
 
 from __future__ import annotations
@@ -17,14 +18,37 @@ import time
 from pathlib import Path
 
 import pytest
-from cdp import Browser
+from playwright.sync_api import Locator, Page, expect, sync_playwright
 from served_stack import islands, served_stack
 
 from infra.s3_server import client
 
 CHROMIUM = Path("/usr/bin/chromium")
+# The background-networking, component-update and sync flags keep Chromium from calling home,
+# which on a closed network leaves it waiting on refused connections.
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
 RUN = "ui-run"
+# The run form's defaults (`islands serve --config`): a run small enough for a test. The form
+# changes the region to one no bucket was made for, the run's name and its rounds.
+FORM_DEFAULTS = """\
+regions = ["north"]
+rounds = 5
+inner_steps = 8
+eval_batches = 2
+speed = {}
+[quorum]
+min_quorum = 1
+"""
 
 
 def ensure_chromium() -> None:
@@ -39,25 +63,45 @@ def ensure_chromium() -> None:
             pytest.skip(f"{' '.join(cmd)} failed, so there is no browser to test with: {done.stderr[-500:]}")
 
 
-@pytest.fixture
-def browser(tmp_path):
+@pytest.fixture(scope="module")
+def page():
     ensure_chromium()
-    b = Browser(CHROMIUM, tmp_path / "profile")
-    yield b
-    b.close()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1300})
+        page.set_default_timeout(45_000)
+        expect.set_options(timeout=45_000)
+        yield page
+        browser.close()
 
 
-def shot(browser: Browser, name: str) -> Path:
+def shot(page: Page, name: str) -> Path:
     OUTPUT.mkdir(exist_ok=True)
-    path = browser.screenshot(OUTPUT / name)
+    path = OUTPUT / name
+    page.screenshot(path=path, full_page=True)
     assert path.stat().st_size > 10_000, f"{path} is (nearly) empty"
     return path
+
+
+def shows(page: Page, *needles: str) -> None:
+    """Wait until the page's text holds every needle; fails with what it does show."""
+    for needle in needles:
+        expect(page.locator("body")).to_contain_text(needle)
+
+
+def form_field(page: Page, label: str) -> Locator:
+    """One property of the run form, found by its label as a person finds it: the innermost of
+    the form's labelled boxes that holds the label. get_by_label finds nothing here: the form's
+    <label for=…> names an id that no input has."""
+    return page.locator(".p-label", has=page.get_by_text(f"{label} (Optional)", exact=True)).last
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("islands-ui")
-    with served_stack(home, ["islands-global"], []) as served:
+    defaults = home / "form.toml"
+    defaults.write_text(FORM_DEFAULTS)
+    with served_stack(home, ["islands-global"], ["--config", str(defaults)]) as served:
         yield served
 
 
@@ -85,21 +129,26 @@ def watching(served, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ui_run(served, watching):
-    """A run created from training-run/local with what its form submits: the defaults, edited."""
-    _, _, api = served
+def ui_run(served, watching, page):
+    """A run started from training-run/local's Run form: its defaults, three fields edited."""
+    stack, _, api = served
     dep = api.deployment("training-run/local")
-    config = {
-        **dep["parameters"]["config"],
-        "run_id": RUN,
-        "regions": ["fresh"],
-        "speed": {},
-        "rounds": 2,
-        "inner_steps": 8,
-        "eval_batches": 2,
-        "quorum": {**dep["parameters"]["config"]["quorum"], "min_quorum": 1},
-    }
-    return api.call("POST", f"/deployments/{dep['id']}/create_flow_run", {"parameters": {"config": config}})
+    page.goto(f"{stack.ui_url}/deployments/deployment/{dep['id']}")
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_role("button", name="Custom run").click()
+    run_id = form_field(page, "Run Id")
+    run_id.get_by_role("button", name="str", exact=True).click()
+    run_id.get_by_role("textbox").fill(RUN)
+    form_field(page, "Regions").get_by_role("textbox").fill("fresh")
+    form_field(page, "Rounds").get_by_role("spinbutton").fill("2")
+    shot(page, "ui-run-form.png")
+    page.get_by_role("button", name="Submit", exact=True).click()
+    page.wait_for_url(f"**/deployments/deployment/{dep['id']}?tab=Runs")  # the form's page, closed
+    [run] = api.flow_runs(deployment_id={"any_": [dep["id"]]})
+    config = run["parameters"]["config"]
+    assert (config["run_id"], config["regions"], config["rounds"]) == (RUN, ["fresh"], 2), config
+    assert config["inner_steps"] == 8 and config["quorum"]["min_quorum"] == 1, config
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -144,23 +193,23 @@ def test_status_after_the_run_finished(served, finished):
     assert f"{RUN}: finished, 2/2 rounds published" in text and "fresh-0" in text
 
 
-def test_the_run_page_shows_its_rounds_and_the_round_table(served, finished, browser):
+def test_the_run_page_shows_its_rounds_and_the_round_table(served, finished, page):
     stack, _, api = served
     rounds = api.flow_runs(name={"like_": f"{RUN}/round-"})
     assert sorted(r["name"] for r in rounds) == [f"{RUN}/round-001", f"{RUN}/round-002"], [r["name"] for r in rounds]
 
-    browser.open(f"{stack.ui_url}/runs/flow-run/{finished['id']}")
-    browser.wait_for(RUN, "Subflow Runs")
-    browser.click_text("Subflow Runs")
-    browser.wait_for(f"{RUN}/round-001", f"{RUN}/round-002")
-    shot(browser, "ui-run-page.png")
+    page.goto(f"{stack.ui_url}/runs/flow-run/{finished['id']}")
+    shows(page, RUN)
+    page.get_by_text("Subflow Runs", exact=True).click()
+    shows(page, f"{RUN}/round-001", f"{RUN}/round-002")
+    shot(page, "ui-run-page.png")
 
     artifacts = api.artifacts(RUN)
-    browser.open(f"{stack.ui_url}/artifacts/artifact/{artifacts[f'{RUN}-round-001']['id']}")
-    browser.wait_for("fresh-0", "merged", "staleness", "Manifest")
-    shot(browser, "ui-round-table.png")
+    page.goto(f"{stack.ui_url}/artifacts/artifact/{artifacts[f'{RUN}-round-001']['id']}")
+    shows(page, "fresh-0", "merged", "staleness", "Manifest")
+    shot(page, "ui-round-table.png")
 
-    browser.open(f"{stack.ui_url}/artifacts/artifact/{artifacts[f'{RUN}-report']['id']}")
-    browser.wait_for("Quorum decisions", "Bytes sent", "Where everything is")
-    assert 'src="data:image/svg+xml;base64,' in browser.html()
-    shot(browser, "ui-run-report.png")
+    page.goto(f"{stack.ui_url}/artifacts/artifact/{artifacts[f'{RUN}-report']['id']}")
+    shows(page, "Quorum decisions", "Bytes sent", "Where everything is")
+    expect(page.locator('img[src^="data:image/svg+xml;base64,"]').first).to_be_visible()
+    shot(page, "ui-run-report.png")
