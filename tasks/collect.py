@@ -26,7 +26,6 @@ from storage.codec import CodecError, TensorFile
 from storage.manifest import Excluded
 from storage.spool import spool
 from storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError
-from tasks.core.model import PRESETS
 from tasks.core.quorum import Decision, decide
 from tasks.core.validate import (
     Expected,
@@ -35,6 +34,7 @@ from tasks.core.validate import (
     check_tensor,
     claimed_tokens,
     global_norm,
+    norm_bound,
     read_claims,
     short,
 )
@@ -144,11 +144,12 @@ def _judge(state: RoundState, region: str, key: str, size: int, path: Path, know
         raise Invalid(f"duplicate of consumed delta {dup}")
     delta = TensorFile(path, got.body_sha256)
     cfg = state.config
-    tokens_per_step = cfg.inner.batch_size * PRESETS[cfg.model].block_size
-    known["tokens"] = claimed_tokens(delta.metadata, cfg.inner_steps, tokens_per_step)
-    expected = Expected(state.run, learner, region, phase, state.round - 1, cfg.inner_steps, tokens_per_step)
+    known["tokens"] = claimed_tokens(delta.metadata, cfg.inner_steps, state.step_tokens)
+    expected = Expected(state.run, learner, region, phase, state.round - 1, cfg.inner_steps, state.step_tokens)
     claims = read_claims(delta.metadata, expected)
     reason, norm = check_delta(delta, state.model)
+    # Bounded here, not at the merge, so that a delta too large to merge never counts towards the quorum.
+    reason = reason or norm_bound(norm, state.recent_norms(), state.model_norm, cfg.merge.norm_limit)
     if reason:
         raise Invalid(reason)
     return Arrival(
@@ -175,7 +176,12 @@ def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Ar
     hashes and writes while the store waits. Memory holds a chunk or a tensor per reader."""
     if not found:
         return []
-    _ = state.spool_dir, state.consumed_shas  # made once, before the readers share them
+    _ = (
+        state.spool_dir,
+        state.consumed_shas,
+        state.model_norm,
+        state.step_tokens,
+    )  # made once, before the readers share them
     with ThreadPoolExecutor(READERS, thread_name_prefix="collect") as pool:
         return list(pool.map(lambda item: inspect(state, *item), found))
 

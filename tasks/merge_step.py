@@ -21,7 +21,7 @@ from tasks.collect import Arrival, Collected, inspect
 from tasks.core.compress import RESIDUAL_PREFIX
 from tasks.core.config import MergeSettings
 from tasks.core.merge import Candidate, encode_update_tensor, merge_tensor_, plan_merge
-from tasks.core.validate import global_norm, norm_refusals
+from tasks.core.validate import norm_outliers
 from tasks.round_state import RoundState
 
 
@@ -153,10 +153,8 @@ def merge_finite(state: RoundState, arrivals: list[Arrival], rule: MergeSettings
 def merge(state: RoundState, collected: Collected) -> Merged:
     log = get_run_logger()
     rule = state.config.merge
-    model_norm = global_norm(float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in state.model.values())
-    refused = norm_refusals(
-        {a.key: a.norm for a in collected.arrivals}, state.recent_norms(), model_norm, rule.norm_limit
-    )
+    refused = norm_outliers({a.key: a.norm for a in collected.arrivals}, rule.norm_limit)
+
     excluded = list(collected.quarantined)
     excluded += [quarantined(a, refused[a.key]) for a in collected.arrivals if a.key in refused]
     arrivals = [a for a in collected.arrivals if a.key not in refused]

@@ -7,6 +7,7 @@ second synchronizer or a retried flow run reaches the same view.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch
 
 from storage.corpus import held_out_part
 from storage.manifest import Contribution, Manifest
+from storage.model_files import step_tokens
 from storage.rounds import get_tensors, read_chain
 from storage.spool import SpoolFolder, remove_dead
 from storage.store import Stores
@@ -119,11 +121,21 @@ class RoundState:
         """Norms of the deltas merged in the last HISTORY rounds (merge.norm_limit compares with them)."""
         return [c.norm for m, _ in self.chain[-HISTORY:] for c in m.contributions if c.norm is not None]
 
+    @cached_property
+    def model_norm(self) -> float:
+        """‖θ_{r−1}‖, taken before the merge turns θ into θ_r (merge.norm_limit)."""
+        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in self.model.values()))
+
+    @cached_property
+    def step_tokens(self) -> int:
+        return step_tokens(self.config)
+
     def reload(self) -> None:
         """θ_{r−1}, its momentum and residual read again from storage (after a merge that failed
         part way through them)."""
         fresh = RoundState.load(self.config, self.run, self.stores)
         self.model, self.momentum, self.residual = fresh.model, fresh.momentum, fresh.residual
+        self.__dict__.pop("model_norm", None)
 
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""

@@ -62,7 +62,7 @@ def test_new_deltas_are_read_two_at_a_time_in_order(monkeypatch):
         return key
 
     monkeypatch.setattr(collect, "inspect", slow_inspect)
-    state = SimpleNamespace(spool_dir=None, consumed_shas={})
+    state = SimpleNamespace(spool_dir=None, consumed_shas={}, model_norm=1.0, step_tokens=1)
     found = [("east", f"k{i}", 1) for i in range(6)]
     assert collect.inspect_all(state, found) == [key for _, key, _ in found]
     assert most[0] == collect.READERS == 2

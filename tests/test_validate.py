@@ -17,7 +17,8 @@ from tasks.core.validate import (
     check_tensors,
     claimed_tokens,
     global_norm,
-    norm_refusals,
+    norm_bound,
+    norm_outliers,
     read_claims,
     read_field,
     short,
@@ -295,7 +296,9 @@ def test_global_norm():
 
 
 def refused(norms: dict[str, float], history=(), model_norm=1e9, limit=10.0) -> set[str]:
-    return set(norm_refusals(norms, list(history), model_norm, limit))
+    """The deltas either rule refuses: each delta's bound, then the round's outliers."""
+    out = {k for k, n in norms.items() if norm_bound(n, list(history), model_norm, limit)}
+    return out | set(norm_outliers({k: n for k, n in norms.items() if k not in out}, limit))
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -317,8 +320,9 @@ def test_the_first_round_is_bounded_by_the_model_only():
 
 
 def test_reasons_say_which_bound():
-    out = norm_refusals({"a": 100.0, "b": 5.0}, [0.4], 60.0, 10.0)
-    assert "model's own norm" in out["a"] and "recently merged" in out["b"]
+    assert "model's own norm" in norm_bound(100.0, [0.4], 60.0, 10.0)
+    assert "recently merged" in norm_bound(5.0, [0.4], 60.0, 10.0)
+    assert norm_bound(3.0, [0.4], 60.0, 10.0) is None
 
 
 def test_round_outliers_need_three():
@@ -327,7 +331,7 @@ def test_round_outliers_need_three():
 
 
 def test_round_outliers_flag_a_hundredfold_delta_and_keep_the_others():
-    out = norm_refusals({"a": 1.0, "b": 1.2, "c": 0.9, "d": 100.0}, [], 1e9, 10.0)
+    out = norm_outliers({"a": 1.0, "b": 1.2, "c": 0.9, "d": 100.0}, 10.0)
     assert set(out) == {"d"}
     assert "norm 100" in out["d"] and "median 1" in out["d"] and "×10" in out["d"]
 

@@ -232,25 +232,27 @@ def global_norm(norms: Iterable[float]) -> float:
     return math.sqrt(sum(n * n for n in norms))
 
 
-def norm_refusals(norms: dict[str, float], history: list[float], model_norm: float, limit: float) -> dict[str, str]:
-    """Keys whose delta is too large (or too small) to merge, with the reason (`merge.norm_limit`).
-
-    A delta may be at most `limit`× the median norm of the deltas merged in recent rounds
-    (`history`), and never larger than the model it would move (`model_norm`, θ_{r−1}): both hold
-    with one delta in the round. With three or more, each must also lie within `limit`× of the
-    round's median, either way: the median is an honest norm whenever honest deltas are the
-    majority, and history holds only deltas that passed these checks.
-    """
-    out = {}
+def norm_bound(norm: float, history: list[float], model_norm: float, limit: float) -> str | None:
+    """Why a delta of L2 norm `norm` is too large to merge, or None (`merge.norm_limit`): it may
+    be at most `limit`× the median norm of the deltas merged in recent rounds (`history`, which
+    holds only deltas that passed this check), and never larger than the model it would move
+    (`model_norm`, θ_{r−1}). Both hold for a delta alone in its round, or with one other."""
+    if norm > model_norm:
+        return f"norm {norm:.3g} above the model's own norm {model_norm:.3g}"
     reference = statistics.median(history) if history else None
+    if reference is not None and norm > limit * reference:
+        return f"norm {norm:.3g} above {limit:g}× the median {reference:.3g} of recently merged deltas"
+    return None
+
+
+def norm_outliers(norms: dict[str, float], limit: float) -> dict[str, str]:
+    """Keys whose norm is more than `limit`× from the median of the round's (needs 3 or more),
+    either way: the median is an honest norm whenever honest deltas are the majority."""
+    out = {}
+    if len(norms) < 3:
+        return out
+    med = statistics.median(norms.values())
     for key, n in norms.items():
-        if n > model_norm:
-            out[key] = f"norm {n:.3g} above the model's own norm {model_norm:.3g}"
-        elif reference is not None and n > limit * reference:
-            out[key] = f"norm {n:.3g} above {limit:g}× the median {reference:.3g} of recently merged deltas"
-    if len(norms) >= 3:
-        med = statistics.median(norms.values())
-        for key, n in norms.items():
-            if key not in out and med > 0 and (n > limit * med or n < med / limit):
-                out[key] = f"norm {n:.3g} far outside the others' (median {med:.3g}, limit ×{limit:g})"
+        if med > 0 and (n > limit * med or n < med / limit):
+            out[key] = f"norm {n:.3g} far outside the others' (median {med:.3g}, limit ×{limit:g})"
     return out
