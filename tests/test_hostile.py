@@ -20,11 +20,12 @@ import torch
 from conftest import STACK_REGIONS
 from fake_learner import TEMPLATE, delta_bytes, metadata, new_run, pseudo_gradient, put
 from prefect.logging import disable_run_logger
+from safetensors.torch import save as st_save
 
 from flows.audit import audit_run
 from flows.outer_round import outer_round
 from storage import layout
-from storage.codec import encode
+from storage.codec import canonical, encode
 from storage.rounds import read_chain, read_manifest
 from storage.store import Stores
 from tasks.collect import collect
@@ -67,7 +68,7 @@ def hostile_deltas(run: str, learner: str, region: str, params: dict[str, torch.
         lambda: (key, encode(noise, {**meta, "finished_at": "-1e300"})),
         lambda: (key, encode(noise, {**meta, "learner": "x" * 100_000})),
         lambda: (key, encode(noise, {**meta, "base_round": "٣"})),
-        lambda: (key, encode(noise, {**meta, "codec": "pickle"})),
+        lambda: (key, canonical(st_save(noise, metadata={**meta, "codec": "pickle"}))),
         lambda: (key.replace(f"{phase:06d}", f"0{phase:06d}"), encode(noise, meta)),
         lambda: (key.replace(learner, learner.upper()), encode(noise, meta)),
         lambda: (key.replace(f"/{learner}/", f"//{learner}/"), encode(noise, meta)),
@@ -200,7 +201,7 @@ def test_a_run_keeps_publishing_while_a_region_receives_hostile_deltas(on_stack)
             env=dict(os.environ),
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=600,
         )
     finally:
         stop.set()
