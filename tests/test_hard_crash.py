@@ -113,7 +113,7 @@ def test_sigkill_of_run_leaves_no_process_and_resume_finishes_it(tmp_path):
     print(f"killed after {killed_at - t0:.1f} s; its processes ended within {time.monotonic() - killed_at:.1f} s")
 
     resumed = islands(env, "resume", RUN, "--json")
-    out, err = resumed.communicate(timeout=240)
+    out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-4000:]
     assert json.loads(out.strip().splitlines()[-1])["rounds_published"] == ROUNDS
 
