@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
+from flows.credentials import storage_options
 from storage import lease
 from storage.rounds import read_config
 from storage.store import Stores
@@ -58,11 +59,20 @@ def record_process() -> None:
 
 
 @flow(name="learner", flow_run_name=_name, log_prints=True)
-def learner(run_id: str, learner: str, store: str, driver: int | None = None, crash: str | None = None) -> dict:
+def learner(
+    run_id: str,
+    learner: str,
+    store: str,
+    driver: int | None = None,
+    crash: str | None = None,
+    credentials: str | None = None,
+) -> dict:
     """Train `learner` of run `run_id` against the buckets of the `store` template.
 
     `driver`: the epoch of the driver that launched it (default: the newest); `crash`: a learner
-    crash point to die at, for fault rehearsals (tasks.crash).
+    crash point to die at, for fault rehearsals (tasks.crash); `credentials`: the name of a
+    prefect-aws AwsCredentials block to sign S3 requests with (set on a region's learner
+    deployment; default: the worker's environment).
     """
     log = get_run_logger()
     if crash is not None and parse(crash)[0] not in LEARNER_POINTS:
@@ -70,9 +80,10 @@ def learner(run_id: str, learner: str, store: str, driver: int | None = None, cr
             f"crash={crash!r} is not a learner crash point; use one of {', '.join(sorted(LEARNER_POINTS))}"
         )
     record_process()
-    global_only = Stores(store, [])
+    options = storage_options(credentials) if credentials else {}
+    global_only = Stores(store, [], options)
     config = read_config(global_only.global_, run_id)
-    session = LearnerSession.open(config, run_id, learner, Stores(store, config.regions))
+    session = LearnerSession.open(config, run_id, learner, Stores(store, config.regions, options))
     epoch = driver if driver is not None else max(lease.epochs(session.global_store, run_id), default=0)
     session.watch = lease.Watch(session.global_store, run_id, epoch)
     session.crash = crash
