@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 API (moto's server) on 127.0.0.1 for the session, a fresh bucket per test."""
+"""Shared fixtures: a real S3 API (moto's server, for its IAM enforcement) on 127.0.0.1 for the session, a fresh
+bucket per test, and one embedded stack (SeaweedFS, Prefect, learner runner) for the tests that need Prefect."""
 
 import os
 import uuid
@@ -57,7 +58,7 @@ STACK_REGIONS = ["north", "south"]
 
 @pytest.fixture(scope="session")
 def islands_stack(tmp_path_factory):
-    """One embedded stack (moto S3 in its own process, Prefect API, learner runner) shared by the
+    """One embedded stack (SeaweedFS S3 in its own process, Prefect API, learner runner) shared by the
     tests that need Prefect; recorded in its home so `islands` commands given ISLANDS_HOME reuse it."""
     from infra.stack import LocalStack
 
