@@ -506,6 +506,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Exit 0 once OUT holds the round, 2 when OUT, the run or the round is not usable (nothing written)."""
     from flows.export import ExportError, export_round
     from storage.store import IntegrityError, Stores
+    from storage.tokenizer import TokenizerError
     from tasks.core.model import ModelError
 
     with ExitStack() as scope:
@@ -514,7 +515,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             manifest, names = export_round(Stores(template, []), args.run_id, args.round, args.out)
         except IntegrityError as exc:
             return fail(f"{args.run_id}: the checkpoint does not match its manifest, nothing written ({exc})", 1)
-        except (ConfigError, ExportError, ModelError) as exc:
+        except (ConfigError, ExportError, ModelError, TokenizerError) as exc:
             return fail(str(exc))
     print(f"islands: round {manifest.round} of {args.run_id} written to {args.out}: {', '.join(names)}")
     return 0

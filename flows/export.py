@@ -2,8 +2,9 @@
 
 For a Hugging Face model, a folder `AutoModelForCausalLM.from_pretrained(OUT)` loads: transformers
 itself writes config.json, model.safetensors (a tied weight once, as it expects) and
-generation_config.json; the tokenizer files of the model's folder go beside them. For a preset
-or a factory, the synced weights as model.safetensors and a config.json naming the model.
+generation_config.json. For a preset or a factory, the synced weights as model.safetensors and a
+config.json naming the model. Beside them, the files `AutoTokenizer.from_pretrained(OUT)` loads:
+the run's `tokenizer` when it names one, else (a Hugging Face model) its folder's tokenizer.
 
 Nothing is written before OUT is known to be reachable and the checkpoint's sha256 matches its
 manifest.
@@ -12,7 +13,6 @@ manifest.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -23,18 +23,8 @@ from storage.manifest import Manifest
 from storage.model_files import check_writable, local_model, put_folder
 from storage.rounds import get_tensors, latest_round, read_config, read_manifest
 from storage.store import ObjectMissing, Stores
+from storage.tokenizer import BYTES, save_tokenizer
 from tasks.core.model import PRESETS, assign_params, hf_folder, is_hf, skeleton
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
 
 
 class ExportError(ValueError):
@@ -58,14 +48,17 @@ def export_round(stores: Stores, run: str, round_: int | None, out: str) -> tupl
     spec = local_model(config.model)
     model = skeleton(spec, config.seed)
     assign_params(model, params)
+    tokenizer = config.tokenizer if config.tokenizer not in (None, BYTES) else None
+    if tokenizer is None and is_hf(model):
+        source, _ = hf_folder(spec)
+        if (source / "tokenizer_config.json").is_file() or (source / "tokenizer.json").is_file():
+            tokenizer = str(source)
     with tempfile.TemporaryDirectory(prefix="islands-export-") as tmp:
         folder = Path(tmp)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, folder)
         if is_hf(model):
             model.save_pretrained(folder)
-            source, _ = hf_folder(spec)
-            for name in TOKENIZER_FILES:
-                if (source / name).is_file():
-                    shutil.copyfile(source / name, folder / name)
         else:
             save_file(params, folder / "model.safetensors", metadata={"run": run, "round": str(r)})
             described = {"model": config.model, "run": run, "round": r, "sha256": manifest.model.sha256}

@@ -2,13 +2,15 @@
 folder, read with `tokenizers` (or `transformers` for a folder without a `tokenizer.json`).
 
 A tokenizer is known by the sha256 of its serialized form, which a dataset manifest records, so
-shards made with one tokenizer are never read as if made with another.
+shards made with one tokenizer are never read as if made with another. An export writes the
+run's tokenizer as the files transformers' `AutoTokenizer` reads (`save_tokenizer`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -18,6 +20,17 @@ BYTES = "bytes"
 # Tokens that end a document, by the names common tokenizers give them.
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 _SEPARATOR = b"\n\n"  # what separates documents in bytes
+# The files of a Hugging Face tokenizer folder, slow or fast.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 
 
 class TokenizerError(ValueError):
@@ -90,3 +103,24 @@ def load_tokenizer(path: str | None, field_name: str = "tokenizer") -> Tokenizer
 def _wrap(path: str, backend, sha: str) -> Tokenizer:
     eos = next((i for name in _EOS_NAMES if (i := backend.token_to_id(name)) is not None), None)
     return Tokenizer(path, sha, backend.get_vocab_size(with_added_tokens=True), eos, backend)
+
+
+def save_tokenizer(path: str, folder: Path) -> None:
+    """Write the tokenizer at `path` (any fsspec URL) into the local `folder` as the files
+    `AutoTokenizer.from_pretrained(folder)` loads: a Hugging Face tokenizer folder's own files,
+    copied; a bare `tokenizer.json` (or a folder holding only one) wrapped in
+    `PreTrainedTokenizerFast`, its end-of-document and unknown tokens named."""
+    fs, root = fsspec.core.url_to_fs(path)
+    root = root.rstrip("/")
+    if not root.endswith(".json") and fs.isfile(f"{root}/tokenizer_config.json"):
+        for name in TOKENIZER_FILES:
+            if fs.isfile(f"{root}/{name}"):
+                fs.get_file(f"{root}/{name}", str(folder / name))
+        return
+    from transformers import PreTrainedTokenizerFast
+
+    tok = load_tokenizer(path)
+    special = {"eos_token": tok.backend.id_to_token(tok.eos)} if tok.eos is not None else {}
+    if unk := getattr(tok.backend.model, "unk_token", None):
+        special["unk_token"] = unk
+    PreTrainedTokenizerFast(tokenizer_object=tok.backend, **special).save_pretrained(folder)

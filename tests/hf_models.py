@@ -1,5 +1,6 @@
 """Small models for the tests of non-preset `model`s: a tiny Llama config folder written with
-transformers' own LlamaConfig, and python: factories (one good, two bad)."""
+transformers' own LlamaConfig, a BPE tokenizer trained with `tokenizers`, and python: factories
+(one good, two bad)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ def write_llama(folder: Path, vocab: int = 512, context: int = 64) -> Path:
         pad_token_id=None,
     ).save_pretrained(folder)
     return folder
+
+
+def train_bpe(files: list[str], path: Path, vocab: int = 512) -> Path:
+    """A BPE tokenizer of `vocab` tokens trained on `files` (characters it never saw: [UNK]),
+    saved as the tokenizer.json `path`; documents end with <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]", "<|endoftext|>"], limit_alphabet=120)
+    tok.train(files, trainer)
+    tok.save(str(path))
+    return path
 
 
 class Bigram(nn.Module):

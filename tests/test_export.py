@@ -1,17 +1,19 @@
 """`islands export`: a round's checkpoint, its sha256 checked first, as files safetensors or
-transformers load; an OUT it cannot reach or a damaged checkpoint stops it before it writes."""
+transformers load, with the run's tokenizer as AutoTokenizer loads it; an OUT it cannot reach, a
+tokenizer that is gone or a damaged checkpoint stops it before it writes."""
 
 from pathlib import Path
 
 import pytest
 import torch
-from hf_models import write_llama
+from hf_models import train_bpe, write_llama
 from safetensors.torch import load_file
 
 from flows.cli import main
 from storage import layout
 from storage.rounds import read_manifest
 from storage.store import Stores
+from storage.text import stdlib_files
 from tasks.core.config import RunConfig
 from tasks.core.model import build_model, params_of
 from tasks.publish import publish_initial
@@ -19,11 +21,18 @@ from tasks.publish import publish_initial
 RUN = "export-run"
 
 
-def round0(tmp_path: Path, model: str) -> tuple[str, Stores]:
+def round0(tmp_path: Path, model: str, tokenizer: str | None = None) -> tuple[str, Stores]:
     """A run with its config and round 0 in folders, as the driver writes them."""
     template = f"file://{tmp_path}/store/{{bucket}}"
     config = RunConfig(
-        run_id=RUN, regions=["north"], speed={}, model=model, eval_every=0, store=template, quorum={"min_quorum": 1}
+        run_id=RUN,
+        regions=["north"],
+        speed={},
+        model=model,
+        tokenizer=tokenizer,
+        eval_every=0,
+        store=template,
+        quorum={"min_quorum": 1},
     )
     stores = Stores(template, config.regions)
     stores.global_.put_if_absent(layout.config_key(RUN), config.model_dump_json().encode())
@@ -50,6 +59,42 @@ def test_an_hf_round_loads_in_transformers_with_its_tie(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     want = params_of(build_model(str(folder), 0))
     assert all(torch.equal(v, want[k]) for k, v in params_of(loaded).items())
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> Path:
+    return train_bpe([str(p) for p in stdlib_files()[:5]], tmp_path_factory.mktemp("tok") / "tokenizer.json", 300)
+
+
+@pytest.mark.parametrize(
+    ("model", "form"),
+    [("llama", "tokenizer.json"), ("llama", "folder"), ("tiny", "tokenizer.json"), ("llama", "model folder")],
+)
+def test_the_runs_tokenizer_is_written_as_autotokenizer_loads_it(tmp_path, tokenizer_json, model, form):
+    """The run's tokenizer.json is wrapped, a tokenizer folder's files are copied; without one, an
+    HF model folder's own tokenizer is."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    llama = write_llama(tmp_path / "llama")
+    folder = tmp_path / "tok" if form == "folder" else llama
+    if form != "tokenizer.json":
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), eos_token="<|endoftext|>").save_pretrained(folder)
+    tokenizer = {"tokenizer.json": str(tokenizer_json), "folder": str(folder), "model folder": None}[form]
+    template, _ = round0(tmp_path, str(llama) if model == "llama" else model, tokenizer)
+    assert main(["export", RUN, str(tmp_path / "out"), "--store", template]) == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "def main():\n    return 1"
+    ids = tok(text).input_ids
+    assert len(ids) < len(text) and max(ids) < 300 and tok.decode(ids) == text
+    assert tok.eos_token == "<|endoftext|>" and tok.convert_tokens_to_ids("<|endoftext|>") == tok.eos_token_id
+
+
+def test_a_runs_tokenizer_that_is_gone_writes_nothing(tmp_path, tokenizer_json, capsys):
+    template, _ = round0(tmp_path, "tiny", str(tmp_path / "gone.json"))
+    assert main(["export", RUN, str(tmp_path / "out"), "--store", template]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"islands: tokenizer: {tmp_path / 'gone.json'} does not exist")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_damaged_checkpoint_writes_nothing(tmp_path, capsys):
