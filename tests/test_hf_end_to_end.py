@@ -1,12 +1,15 @@
-"""End to end on the CPU: a tiny Llama config and a BPE tokenizer written by the test, trained
-for three rounds in two regions through Prefect and S3, exported, and loaded by transformers
-alone (no project code importable) in another process, which gets the run's held-out loss and
-generates text. The same for a python: factory model, loaded by safetensors and its own code."""
+"""End to end on the CPU: a tiny Llama config and a BPE tokenizer (vocabulary 512) written by the
+test; `islands prepare` tokenizes a few stdlib files with it into token shards on S3; the model
+trains on them for three rounds in two regions through Prefect and S3, is exported with that
+tokenizer, and is loaded with it by transformers alone (no project code importable) in another
+process, which gets the run's held-out loss and generates text the tokenizer decodes. The same
+for a python: factory model on the text itself (bytes), loaded by safetensors and its own code."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import STACK_REGIONS
-from hf_models import write_llama
+from hf_models import train_bpe, write_llama
 from safetensors.torch import save_file
 
 from storage.text import stdlib_files
@@ -22,6 +25,7 @@ from tasks.round_state import held_out_batches
 
 TESTS = Path(__file__).parent
 ROUNDS, BATCH, EVAL_BATCHES = 3, 4, 2
+DATASET = "s3://islands-global/datasets/stdlib-bpe"
 
 # Run with -I -S and only site-packages on sys.path, without its .pth files: the editable
 # install's finder is not loaded, so nothing of the project can be imported.
@@ -44,7 +48,9 @@ if sys.argv[4:]:
 else:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight and len(tok) == 512
+    code = "def main():\\n    return 1"
+    assert tok.decode(tok(code).input_ids) == code
     def loss(x, y):
         logits = model(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
@@ -68,47 +74,46 @@ def islands(env: dict, *args: str, check: bool = True) -> subprocess.CompletedPr
 
 
 @pytest.fixture(scope="module")
-def env(islands_stack):
-    s, home = islands_stack
-    return {**os.environ, **s.env(), "ISLANDS_HOME": str(home), "PYTHONPATH": str(TESTS)}
+def env(on_stack):
+    """This process and the commands it runs, on the session stack (the test reads the shards too)."""
+    return {**os.environ, **on_stack, "PYTHONPATH": str(TESTS)}
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> tuple[Path, str]:
-    """A BPE tokenizer trained on a few stdlib files, saved in the model folder, and those files
-    tokenized into a corpus of one byte per token (its vocabulary fits a byte, until corpora of
-    token shards take wider ids)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+def data(env, tmp_path_factory) -> tuple[Path, str, Path, str]:
+    """(the model folder, a BPE tokenizer.json trained on a few stdlib files, those files as a text
+    folder, the token shards `islands prepare` made of them with the tokenizer on S3). The model
+    folder has no tokenizer: the export takes the run's."""
     root = tmp_path_factory.mktemp("hf")
     folder = write_llama(root / "llama")
-    files = [str(p) for p in stdlib_files()[:40]]
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    tok.train(files, trainers.BpeTrainer(vocab_size=256, special_tokens=["[UNK]"], limit_alphabet=120))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
-    ids = [i for f in files for i in tok.encode(Path(f).read_text()).ids]
-    assert max(ids) < 256 and len(ids) > 200_000
-    (root / "tokens.bin").write_bytes(bytes(ids))
-    return folder, f"file://{root}/tokens.bin"
+    src = root / "src"
+    src.mkdir()
+    for i, path in enumerate(stdlib_files()[:40]):
+        shutil.copy(path, src / f"{i:04d}.txt")
+    tokenizer = train_bpe([str(p) for p in sorted(src.iterdir())], root / "tokenizer.json", 512)
+    done = islands(env, "prepare", str(src), DATASET, "--tokenizer", str(tokenizer), "--shard-mb", "0.25")
+    assert "uint16 tokens" in done.stdout and "(vocabulary 512)" in done.stdout, done.stdout
+    return folder, str(tokenizer), src, DATASET
 
 
-def train(env: dict, tmp: Path, run_id: str, model: str, corpus: str, context: int) -> dict:
+def train(
+    env: dict, tmp: Path, run_id: str, model: str, corpus: str, context: int, vocab: int, tokenizer: str | None = None
+) -> dict:
     """Three rounds of `model`. A learner waits for each new round before its next phase, and
     each inner step takes at least 0.1 s: learners of a model whose steps take microseconds would
     otherwise run hundreds of phases (task runs) a round, more than the Prefect server's SQLite
     takes on a loaded machine."""
     config = tmp / f"{run_id}.toml"
+    named = f'tokenizer = "{tokenizer}"\n' if tokenizer else ""
     floor = ", ".join(f'"{r}" = 0.1' for r in STACK_REGIONS)
     config.write_text(
-        f'run_id = "{run_id}"\nmodel = "{model}"\ncorpus = "{corpus}"\nregions = {json.dumps(STACK_REGIONS)}\n'
+        f'run_id = "{run_id}"\nmodel = "{model}"\ncorpus = "{corpus}"\n{named}regions = {json.dumps(STACK_REGIONS)}\n'
         f"rounds = {ROUNDS}\ninner_steps = 4\neval_batches = {EVAL_BATCHES}\nmin_step_s = {{ {floor} }}\nlearner_wait_s = 30\n"
         f"[inner]\nbatch_size = {BATCH}\nwarmup_steps = 2\ntotal_steps = 40\nlr = 0.003\n"
     )
     summary = json.loads(islands(env, "run", "--config", str(config), "--json").stdout.strip().splitlines()[-1])
     assert summary["rounds_published"] == ROUNDS and set(summary["learners"].values()) == {"Completed"}
-    batches = held_out_batches(corpus, BATCH, context, EVAL_BATCHES)
+    batches = held_out_batches(corpus, BATCH, context, EVAL_BATCHES, tokenizer=tokenizer, vocab_size=vocab)
     save_file(
         {f"{xy}{i}": t.contiguous() for i, b in enumerate(batches) for xy, t in zip("xy", b)}, tmp / f"{run_id}.bin"
     )
@@ -129,8 +134,8 @@ def alone(out: Path, batches: Path, *extra_path: str) -> dict:
 
 
 def test_an_hf_model_trains_exports_and_loads_in_transformers_alone(env, data, tmp_path):
-    folder, corpus = data
-    summary = train(env, tmp_path, "hf-llama", str(folder), corpus, context=64)
+    folder, tokenizer, _, shards = data
+    summary = train(env, tmp_path, "hf-llama", str(folder), shards, 64, 512, tokenizer)
     assert summary["eval_loss_final"] < summary["eval_loss_round0"]
     refused = islands(env, "export", "hf-llama", "s3://no-such-bucket/x", check=False)
     assert refused.returncode == 2 and refused.stderr.strip().startswith("islands: OUT: ")
@@ -147,8 +152,8 @@ def test_an_hf_model_trains_exports_and_loads_in_transformers_alone(env, data, t
 
 
 def test_a_factory_model_trains_and_exports(env, data, tmp_path):
-    _, corpus = data
-    summary = train(env, tmp_path, "factory-bigram", "python:hf_models:bigram", corpus, context=32)
+    _, _, src, _ = data
+    summary = train(env, tmp_path, "factory-bigram", "python:hf_models:bigram", f"file://{src}", 32, 256)
     out = tmp_path / "export"
     islands(env, "export", "factory-bigram", str(out), "--round", str(ROUNDS))
     assert json.loads((out / "config.json").read_text())["model"] == "python:hf_models:bigram"
