@@ -20,6 +20,7 @@ a checksum algorithm named on such writes; every write names SHA-256 and carries
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import concurrent.futures
 import hashlib
@@ -30,6 +31,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import fsspec
+import fsspec.asyn
+import s3fs
 from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 
 from storage.store import AccessDenied, IntegrityError, ObjectStore, StoreError, Stream
@@ -392,3 +395,23 @@ class S3Store(ObjectStore):
                 raise StoreError(f"{self.url}/{prefix}: the version listing says more follow, but gives no new marker")
             markers.add(marker)
             args = {"Prefix": s3_prefix, "KeyMarker": marker[0], "VersionIdMarker": marker[1]}
+
+
+@atexit.register
+def _stop_io() -> None:
+    """Close every S3 client's connections, then stop fsspec's IO thread, before the interpreter
+    tears down. Left running, that daemon thread wakes when a server closes an idle connection,
+    finds the interpreter finalizing and is ended in the middle of native code: the process
+    aborts ("terminate called without an active exception") after its work is done."""
+    loop, thread = fsspec.asyn.loop[0], fsspec.asyn.iothread[0]
+    if loop is None or not loop.is_running():
+        return
+    for fs in list(s3fs.S3FileSystem._cache.values()):
+        if fs._s3 is not None:
+            try:
+                fsspec.asyn.sync(loop, fs._s3.close, timeout=2)
+            except Exception:  # noqa: BLE001 - best effort at exit: the connection goes with the process
+                pass
+    loop.call_soon_threadsafe(loop.stop)
+    if thread is not None:
+        thread.join(timeout=2)
