@@ -52,7 +52,17 @@ class InnerSettings(_Section):
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay.")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip (0: none).")
-    batch_size: int = Field(16, gt=0, description="Sequences per inner step.")
+    batch_size: int = Field(16, gt=0, description="Sequences per inner step, over all of a learner's GPUs together.")
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Sequences per forward/backward pass; gradients accumulate over batch_size / this (and the GPUs) to one step, so the step does not depend on the GPU's memory (empty: the whole batch at once). Lower it when a GPU runs out of memory.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer block's activations in the backward pass instead of keeping them: less memory, about a third more compute.",
+    )
+    compile: bool = Field(False, description="Compile the model with torch.compile before the first step.")
 
     @model_validator(mode="after")
     def _schedule(self) -> InnerSettings:
@@ -60,6 +70,10 @@ class InnerSettings(_Section):
             raise ValueError(
                 f"total_steps: {self.total_steps} is shorter than warmup_steps {self.warmup_steps}; "
                 "the cosine must start after the warm-up"
+            )
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"micro_batch_size: {self.micro_batch_size} does not divide batch_size {self.batch_size}; use a divisor of it"
             )
         return self
 
@@ -199,6 +213,16 @@ class RunConfig(BaseModel):
         True,
         description="Scale a phase's inner steps to the learner's rate: H for the fastest learners, H × its rate / the fastest's for a slower one, so its phases end with theirs and its deltas come as often and as fresh.",
     )
+    gpus_per_learner: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Processes (one per GPU; gloo processes on a CPU) that train each learner's phase together, launched by the learner as one torchrun job; 1: the learner trains in its own process.",
+    )
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How a torchrun phase splits the work: ddp (every GPU holds the model and its optimizer) or fsdp (FSDP2 shards parameters, gradients and optimizer state over the GPUs, for a model that does not fit one GPU with its optimizer).",
+    )
     torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
     eval_batches: int = Field(16, gt=0, description="Held-out batches in each evaluation of a round's checkpoint.")
     eval_every: int = Field(
@@ -265,6 +289,12 @@ class RunConfig(BaseModel):
         if self.object_lock_days is not None and not (self.store or EMBEDDED_STORE).startswith("s3://"):
             raise ValueError(
                 "object_lock_days: needs an s3:// store (S3 Object Lock); a folder cannot keep objects under retention"
+            )
+        per_rank = self.inner.batch_size // self.gpus_per_learner
+        if self.inner.batch_size % self.gpus_per_learner or per_rank % (self.inner.micro_batch_size or per_rank):
+            raise ValueError(
+                f"gpus_per_learner: inner.batch_size {self.inner.batch_size} must split into {self.gpus_per_learner} equal "
+                "slices, each a multiple of inner.micro_batch_size; change batch_size, micro_batch_size or gpus_per_learner"
             )
         if self.target_loss is not None and self.eval_every == 0:
             raise ValueError(

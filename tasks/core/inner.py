@@ -3,19 +3,26 @@
 The AdamW state, the step count and the data position live across phases and are never reset
 (DiLoCo, arXiv 2311.08105, keeps the inner optimizer local); state_dict() lets them survive a restart bit for bit.
 
-Inside a region with several GPUs the trainer runs as one torch.distributed job (`ddp=True`, one
-process per GPU under torchrun): every rank draws the same batch and trains on its own slice of it,
-DDP averages the gradients, so all ranks hold the same weights and optimizer state as one process
-training on the whole batch would.
+Inside a region with several GPUs the trainer runs as one torch.distributed job (`parallel="ddp"`
+or `"fsdp"`, one process per GPU under torchrun): every rank draws the same batch and trains on its
+own slice of it, the gradients are averaged (DDP's all-reduce, or FSDP2's reduce-scatter onto each
+rank's shard), so the ranks together hold the weights and optimizer state one process training on
+the whole batch would.
+
+On CUDA a step runs under bf16 autocast with float32 master weights and fused AdamW; a batch is
+split into micro-batches whose gradients accumulate, so the global batch is the same on any GPU.
 """
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from tasks.core.config import InnerSettings
@@ -23,14 +30,89 @@ from tasks.core.data import BatchSampler
 from tasks.core.model import autocast_context, causal_loss, load_params, synced
 
 
-def _ddp_rank(batch_size: int) -> tuple[int, int]:
+class OutOfMemory(RuntimeError):
+    """A step did not fit the GPU's memory; the message names the setting to lower."""
+
+
+def _rank(batch_size: int, parallel: str) -> tuple[int, int]:
     """(rank, world size) of the initialized process group; each rank takes an equal batch slice."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("InnerTrainer(ddp=True) needs torch.distributed initialized first: launch with torchrun")
+        raise ValueError(
+            f"InnerTrainer(parallel={parallel!r}) needs torch.distributed initialized first: launch with torchrun"
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     if batch_size % world:
         raise ValueError(f"batch_size {batch_size} does not split evenly over {world} ranks; use a multiple of {world}")
     return rank, world
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """A transformer's blocks: the items of its outermost nn.ModuleLists (GPT's `blocks`, a
+    Hugging Face model's `layers`), the units that are checkpointed and sharded one by one."""
+    lists: list[str] = []
+    found: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and not any(name.startswith(f"{outer}.") for outer in lists):
+            lists.append(name)
+            found.extend(module)
+    return found
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass: a Hugging Face model's own
+    activation_checkpointing_enable() (on the model or the module it wraps), else torch's
+    composable checkpoint on every block (parameter names stay as they were, so state dicts and
+    deltas do not change)."""
+    hf = next((m for m in model.modules() if hasattr(m, "activation_checkpointing_enable")), None)
+    if hf is not None:
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    found = blocks(model)
+    if not found:
+        raise ValueError(
+            "inner.activation_checkpointing: the model has neither activation_checkpointing_enable() nor an "
+            "nn.ModuleList of blocks to checkpoint; set it to false"
+        )
+    for block in found:
+        checkpoint(block)
+
+
+class OnHost(Mapping):
+    """Tensors copied device→host on a side stream into pinned buffers: the default stream (the
+    next step) never waits for the copy, and the host waits for it only when it first reads one."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], done: torch.cuda.Event | None = None):
+        self._tensors, self._done = tensors, done
+
+    def _ready(self) -> dict[str, torch.Tensor]:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self._tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._ready()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ready())
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def to_host(tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None) -> Mapping[str, torch.Tensor]:
+    """CPU copies of `tensors` (each its own contiguous storage, as safetensors wants); from CUDA,
+    non-blocking copies on `stream` (OnHost)."""
+    if stream is None:
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    out = {}
+    with torch.cuda.stream(stream):
+        for key, value in tensors.items():
+            out[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            out[key].copy_(value.detach(), non_blocking=True)
+            value.record_stream(stream)  # its memory is not reused before the copy is done
+    return OnHost(out, stream.record_event())
 
 
 def lr_at(step: int, cfg: InnerSettings) -> float:
@@ -73,16 +155,36 @@ class InnerTrainer:
         *,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
-        ddp: bool = False,
+        parallel: str | None = None,
     ):
+        if parallel not in (None, "ddp", "fsdp"):
+            raise ValueError(f"parallel must be None, 'ddp' or 'fsdp', got {parallel!r}")
         self.model = model.to(device)
-        self.rank, self.world_size = _ddp_rank(sampler.batch_size) if ddp else (0, 1)
-        # The module that trains: DDP all-reduces its gradients; self.model stays the plain model.
-        self.net = (
-            DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-            if ddp
-            else self.model
-        )
+        self.parallel = parallel
+        self.rank, self.world_size = _rank(sampler.batch_size, parallel) if parallel else (0, 1)
+        self.micro_batch = cfg.micro_batch_size or sampler.batch_size // self.world_size
+        if (sampler.batch_size // self.world_size) % self.micro_batch:
+            raise ValueError(
+                f"inner.micro_batch_size: {self.micro_batch} does not divide the {sampler.batch_size // self.world_size} "
+                f"sequences of each of the {self.world_size} ranks; use a divisor of it"
+            )
+        if cfg.activation_checkpointing:
+            checkpoint_activations(self.model)
+        # The module that trains: DDP all-reduces its gradients; FSDP2 shards self.model in place
+        # (its parameters become DTensors under the same names). self.model is the model itself.
+        self.ddp = None
+        if parallel == "ddp":
+            self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        elif parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in blocks(self.model):
+                fully_shard(block)
+            fully_shard(self.model)
+        self.net = self.model if self.ddp is None else self.ddp
+        if cfg.compile:
+            self.net = torch.compile(self.net)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.sampler = sampler
         self.cfg = cfg
         self.device = device
@@ -101,6 +203,7 @@ class InnerTrainer:
             ],
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
+            fused=device.type == "cuda",  # one kernel for all parameters; the CPU keeps the loop
         )
         # Names in the optimizer's own parameter order, which its state_dict numbers from 0.
         self._opt_names = [n for n, _ in decay + no_decay]
@@ -183,19 +286,28 @@ class InnerTrainer:
 
     def begin(self, base: dict[str, torch.Tensor]) -> None:
         """Load `base` as the local weights: a phase starts here."""
-        load_params(self.model, base)
+        if self.parallel == "fsdp":
+            with torch.no_grad():
+                for name, p in synced(self.model):
+                    p.copy_(self._like(base[name], p))
+        else:
+            load_params(self.model, base)
         self.model.train()
 
     @torch.no_grad()
-    def delta(self, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def delta(self, base: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """base − local weights in float32 on the CPU: the phase's pseudo-gradient so far."""
-        return {name: (base[name].to(p.device, torch.float32) - p.float()).cpu() for name, p in synced(self.model)}
+        diffs = {
+            name: base[name].to(p.device, torch.float32) - self._full(p).float()
+            for name, p in synced(self.model)
+        }
+        return to_host(diffs, self.copy_stream)
 
     @torch.no_grad()
     def shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
         """Local weights += newer − base: the phase's progress so far, carried onto `newer`."""
         for name, p in synced(self.model):
-            p.add_(newer[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
+            p.add_(self._like(newer[name].float() - base[name].float(), p))
 
     def train_step(self) -> float:
         """One AdamW step on the next batch, at the schedule's learning rate; returns its loss."""
@@ -205,19 +317,60 @@ class InnerTrainer:
         x, y = self.sampler.next_batch()
         if self.world_size > 1:
             x, y = x.chunk(self.world_size)[self.rank], y.chunk(self.world_size)[self.rank]
-        with autocast_context(self.device):
-            loss = causal_loss(self.model, x.to(self.device), y.to(self.device), self.net)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in synced(self.model)], self.cfg.grad_clip)
-        self.optimizer.step()
+        try:
+            loss = self._accumulate(x.to(self.device), y.to(self.device))
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for _, p in synced(self.model)], self.cfg.grad_clip)
+            self.optimizer.step()
+        except torch.cuda.OutOfMemoryError:
+            raise OutOfMemory(
+                f"inner.micro_batch_size: {self.micro_batch} sequences per forward/backward ran the {self.device} out "
+                f"of memory; lower inner.micro_batch_size (a divisor of batch_size {self.sampler.batch_size}, which stays "
+                "the global batch) or set inner.activation_checkpointing = true"
+            ) from None
         self.step += 1
         if self.world_size > 1:
             loss = loss.detach().clone()
             dist.all_reduce(loss)  # the loss of the whole batch: the mean of the ranks' equal slices
             loss /= self.world_size
         return loss.item()  # also waits for the device, so the step's compute time is real
+
+    # FSDP2's modules are imported only where a job shards: they add seconds to every learner's start.
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        """A parameter (or its optimizer moment) whole: FSDP2 holds only this rank's shard of it."""
+        if self.parallel == "fsdp":
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(p, DTensor):
+                return p.full_tensor()
+        return p
+
+    def _like(self, full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`full` placed as `p` is: this rank's shard of it under FSDP2, else on p's device."""
+        if self.parallel == "fsdp":
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            if isinstance(p, DTensor):
+                return distribute_tensor(full.to(p.device, p.dtype), p.device_mesh, p.placements)
+        return full.to(p.device, p.dtype)
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over x's micro-batches, each loss scaled by its share of x, so the
+        summed gradients are the whole slice's; ranks synchronize gradients on the last one only.
+        Returns the slice's mean loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = list(zip(x.split(self.micro_batch), y.split(self.micro_batch)))
+        total = torch.zeros((), device=self.device)
+        for i, (xm, ym) in enumerate(parts):
+            last = i == len(parts) - 1
+            if self.parallel == "fsdp":
+                self.model.set_requires_gradient_sync(last)
+            with self.ddp.no_sync() if self.ddp is not None and not last else nullcontext():
+                with autocast_context(self.device):
+                    loss = causal_loss(self.model, xm, ym, self.net) / len(parts)
+                loss.backward()
+            total += loss.detach().float()
+        return total
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat, CPU, contiguous tensors with no shared storage: ready for safetensors."""
@@ -227,10 +380,10 @@ class InnerTrainer:
         for name in self._opt_names:
             slot = self.optimizer.state.get(params[name], {})
             for key in ("exp_avg", "exp_avg_sq"):
-                moment = slot[key] if key in slot else torch.zeros_like(params[name])
-                state[f"opt.{key}.{name}"] = moment.detach().to("cpu", copy=True).contiguous()
+                state[f"opt.{key}.{name}"] = self._full(slot[key] if key in slot else torch.zeros_like(params[name]))
             if "step" in slot:
                 opt_step = int(slot["step"])
+        state = dict(to_host(state, self.copy_stream))
         state["opt.step"] = torch.tensor(opt_step, dtype=torch.int64)
         state["trainer.step"] = torch.tensor(self.step, dtype=torch.int64)
         for key, value in self.sampler.state_dict().items():
@@ -248,7 +401,7 @@ class InnerTrainer:
         params = dict(self.model.named_parameters())
         for name in self._opt_names:
             saved = state[f"opt.exp_avg.{name}"].shape
-            if saved != params[name].shape:
+            if saved != params[name].shape:  # a DTensor's shape is the whole parameter's
                 raise ValueError(
                     f"inner trainer state for {name} has shape {tuple(saved)}, the model has "
                     f"{tuple(params[name].shape)}; was it saved with another model preset?"
@@ -262,8 +415,8 @@ class InnerTrainer:
             opt_state = {
                 index: {
                     "step": torch.tensor(float(opt_step), dtype=torch.float32),
-                    "exp_avg": state[f"opt.exp_avg.{name}"].clone(),
-                    "exp_avg_sq": state[f"opt.exp_avg_sq.{name}"].clone(),
+                    "exp_avg": self._like(state[f"opt.exp_avg.{name}"], params[name]).clone(),
+                    "exp_avg_sq": self._like(state[f"opt.exp_avg_sq.{name}"], params[name]).clone(),
                 }
                 for index, name in enumerate(self._opt_names)
             }
