@@ -32,7 +32,6 @@ from prefect.cache_policies import NO_CACHE
 from storage import layout
 from storage.cache import regional_get
 from storage.codec import decode, decode_state, encode_state, encode_wire
-from storage.corpus import training_part
 from storage.lease import Watch
 from storage.manifest import Manifest, ObjectRef
 from storage.model_files import local_model
@@ -40,12 +39,12 @@ from storage.rounds import checkpoint_metadata, newest_round_from, read_manifest
 from storage.store import ObjectStore, Stores, sha256_hex
 from tasks.core.compress import compress_with_feedback, residual_state, split_residual
 from tasks.core.config import RunConfig
-from tasks.core.data import BatchSampler, Stream, assign
 from tasks.core.inner import InnerTrainer, carried
 from tasks.core.merge import apply_update
-from tasks.core.model import build_model, params_of, vocab_and_context
+from tasks.core.model import build_model, params_of
 from tasks.core.pace import phase_steps
 from tasks.crash import crash_point
+from tasks.ddp_phase import PhaseJob, learner_trainer
 from tasks.follow import Held, RoundFollower
 from tasks.write_behind import WriteBehind
 
@@ -82,7 +81,7 @@ class LearnerSession:
     learner: str
     region: str
     stores: Stores
-    trainer: InnerTrainer
+    trainer: InnerTrainer | PhaseJob
     next_phase: int = 0
     last_base: int | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -108,23 +107,14 @@ class LearnerSession:
     @classmethod
     def open(cls, config: RunConfig, run: str, learner: str, stores: Stores) -> LearnerSession:
         """Build the learner from the run's config and restore its newest saved state, if any."""
-        index = {name: i for name, _, i in config.learners()}
-        if learner not in index:
-            raise ValueError(f"learner {learner!r} is not part of run {run} ({', '.join(index)})")
-        region = next(r for name, r, _ in config.learners() if name == learner)
         torch.set_num_threads(config.threads_per_learner())
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = build_model(local_model(config.model), config.seed).to(device)
-        vocab, context = vocab_and_context(model)
-        reader, segments = training_part(config.corpus, config.eval_corpus, config.tokenizer)
-        mine = assign(segments, index[learner], config.num_learners, block_size=context)
-        sampler = BatchSampler(
-            Stream(reader, mine, context + 1, vocab),
-            config.inner.batch_size,
-            context,
-            seed=config.seed * 1000 + index[learner],
+        # Several GPUs: each phase is a torchrun job; the learner's process keeps its state between them.
+        # Either refuses a learner that is not part of the run.
+        trainer = (
+            learner_trainer(config, learner, device) if config.gpus_per_learner == 1 else PhaseJob(config, learner)
         )
-        trainer = InnerTrainer(model, sampler, config.inner, device=device)
+        region = next(r for name, r, _ in config.learners() if name == learner)
         session = cls(config, run, learner, region, stores, trainer, device=device)
         session.restore()
         return session
@@ -355,7 +345,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     session.residual = residual
     session.next_phase = phase + 1
     log.info(
-        "%s learner %s (%s) phase %d on round %d%s: %d steps%s, loss %.3f, %d tokens, %.1f s, delta %.2f MB",
+        "%s learner %s (%s) phase %d on round %d%s: %d steps%s%s, loss %.3f, %d tokens, %.1f s, delta %.2f MB",
         session.run,
         session.learner,
         session.region,
@@ -364,6 +354,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         f" (from round {start_round})" if start_round != base_round else "",
         result.steps,
         f" (paced: H is {cfg.inner_steps})" if steps < cfg.inner_steps else "",
+        f" as a torchrun job of {cfg.gpus_per_learner} processes ({cfg.parallel})" if cfg.gpus_per_learner > 1 else "",
         result.loss,
         result.tokens,
         result.seconds,

@@ -297,10 +297,7 @@ class InnerTrainer:
     @torch.no_grad()
     def delta(self, base: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """base − local weights in float32 on the CPU: the phase's pseudo-gradient so far."""
-        diffs = {
-            name: base[name].to(p.device, torch.float32) - self._full(p).float()
-            for name, p in synced(self.model)
-        }
+        diffs = {name: base[name].to(p.device, torch.float32) - self._full(p).float() for name, p in synced(self.model)}
         return to_host(diffs, self.copy_stream)
 
     @torch.no_grad()
