@@ -10,8 +10,9 @@ objects, `--only codec_live`),
 `prefect_start` (the Prefect server on a fresh database against the migrated template,
 `--only prefect_start`), `eval_cadence` (the pipeline evaluating every round against the last
 alone, `--only eval_cadence`) and `s3_endpoint` (the embedded S3 endpoint's CPU per request,
-moto's own server against its S3 app served directly, `--only s3_endpoint`) and `hf` (a Llama-config
-model at the quality and utilization bars, `--only hf`).
+moto's own server against its S3 app served directly, `--only s3_endpoint`), `hf` (a Llama-config
+model at the quality and utilization bars, `--only hf`) and `gpu` (a GPU learner's tokens/s and
+MFU, and the merge of 1B-parameter deltas, `--only gpu`; benchmarks.gpu).
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
@@ -37,6 +38,7 @@ from benchmarks import (
     dataplane,
     eval_cadence,
     faults,
+    gpu,
     hf,
     learner_start,
     pipeline,
@@ -67,6 +69,7 @@ BENCHMARKS = {
     "utilization": utilization.run,
     "dataplane": dataplane.run,
     "hf": hf.run,
+    "gpu": gpu.run,
 }
 SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane")
 ORDER = [*SUITE, *(name for name in BENCHMARKS if name not in SUITE)]  # of the results file's sections
