@@ -105,6 +105,7 @@ def test_the_learner_deployment_trains_a_phase_as_a_two_process_torchrun_job(on_
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
+    from flows.cli import wait_for_learner_deployment
     from flows.training_run import create_run
     from storage.store import Stores
 
@@ -112,6 +113,7 @@ def test_the_learner_deployment_trains_a_phase_as_a_two_process_torchrun_job(on_
     stores = Stores("s3://islands-{bucket}", config.regions)
     create_run(config, stores)
     params = {"run_id": RUN, "learner": "north-0", "store": stores.template}
+    wait_for_learner_deployment("learner/local")  # the stack's runner registers it as it starts
     started = run_deployment("learner/local", parameters=params, timeout=0)
     key = layout.delta_key(RUN, "north-0", 0)
     deadline = time.monotonic() + 80
