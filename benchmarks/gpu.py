@@ -28,6 +28,7 @@ from tasks.core.compress import compress_with_feedback
 from tasks.core.config import InnerSettings, MergeSettings
 from tasks.core.inner import InnerTrainer
 from tasks.core.merge import merge_round
+from tasks.core.model import synced
 
 # Peak dense bf16 FLOP/s by device name (vendors' data sheets): MFU's denominator.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
@@ -68,18 +69,7 @@ class SyntheticTokens:
         return {}
 
 
-class CausalLM(torch.nn.Module):
-    """A transformers causal LM behind forward(input_ids, labels), the trainer's calling convention."""
-
-    def __init__(self, lm: torch.nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
-        return self.lm(input_ids=input_ids, labels=labels)
-
-
-def llama(s: Sizes) -> CausalLM:
+def llama(s: Sizes) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -90,10 +80,10 @@ def llama(s: Sizes) -> CausalLM:
         num_attention_heads=s.heads,
         num_key_value_heads=s.heads,
         max_position_embeddings=s.seq,
-        tie_word_embeddings=False,  # every parameter its own state-dict key, as begin() loads them
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    return CausalLM(LlamaForCausalLM(config))
+    return LlamaForCausalLM(config)
 
 
 def synchronize(device: torch.device) -> None:
@@ -115,7 +105,7 @@ def inner_loop(s: Sizes, device: torch.device) -> dict:
     params = sum(p.numel() for p in model.parameters())
     cfg = InnerSettings(batch_size=s.batch, micro_batch_size=s.micro_batch, warmup_steps=1, total_steps=1000)
     trainer = InnerTrainer(model, SyntheticTokens(s.vocab, s.batch, s.seq), cfg, device)
-    base = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.named_parameters()}
+    base = {k: v.detach().to("cpu", copy=True) for k, v in synced(trainer.model)}
     trainer.train_step()  # warm-up: kernels chosen, memory allocated
     synchronize(device)
     started = time.perf_counter()
