@@ -187,3 +187,28 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 if __name__ == "__main__":
     reap()
+
+
+class ChildServer:
+    """A server this process runs as a child process group: its URL once started, its pid, and a
+    stop that ends the whole group. Subclasses start it and set `_proc` and `_url`."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError(f"the {type(self).__name__} is not running; call start() first")
+        return self._url
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            stop_group(self._proc)
+            self._proc = None
+        self._url = None

@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from infra.process import LOOPBACK, http_status, spawn, stop_group, wait_ready
+from infra.process import LOOPBACK, ChildServer, http_status, spawn, wait_ready
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -83,23 +82,12 @@ def lock_enabled(s3, bucket: str) -> bool:
     return config.get("ObjectLockEnabled") == "Enabled"
 
 
-class MotoServer:
+class MotoServer(ChildServer):
     """moto's S3 server as a child process on 127.0.0.1."""
 
     def __init__(self, log_path: Path):
         self.log_path = log_path
-        self._proc: subprocess.Popen | None = None
-        self._url: str | None = None
-
-    @property
-    def url(self) -> str:
-        if self._url is None:
-            raise RuntimeError("the S3 server is not running; call start() first")
-        return self._url
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        super().__init__()
 
     def start(self, env: Mapping[str, str], timeout: float = 30.0) -> str:
         """Start the server and wait until it answers; returns its endpoint URL.
@@ -123,12 +111,6 @@ class MotoServer:
         wait_ready(self._proc, ready, timeout, "The S3 server (moto)", self.log_path)
         port_file.unlink(missing_ok=True)
         return self._url
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            stop_group(self._proc)
-            self._proc = None
-        self._url = None
 
 
 def serve_s3(host: str, port: int = 0):

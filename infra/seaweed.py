@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from infra.process import LOOPBACK, free_port, log_tail, spawn, stop_group, wait_ready
+from infra.process import LOOPBACK, ChildServer, free_port, log_tail, spawn, wait_ready
 from infra.s3_server import CREDENTIALS, s3_answers
 
 COMPONENTS = ("master", "volume", "filer", "s3")
@@ -55,7 +54,7 @@ def _get_json(url: str) -> dict | None:
         return None
 
 
-class SeaweedServer:
+class SeaweedServer(ChildServer):
     """`weed server -s3` as a child process, its data in `data_dir`, its log at `log_path`; the
     one identity it admits holds `credentials` (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)."""
 
@@ -63,18 +62,7 @@ class SeaweedServer:
         self.data_dir = Path(data_dir)
         self.log_path = log_path
         self.credentials = dict(credentials)
-        self._proc: subprocess.Popen | None = None
-        self._url: str | None = None
-
-    @property
-    def url(self) -> str:
-        if self._url is None:
-            raise RuntimeError("the S3 server is not running; call start() first")
-        return self._url
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        super().__init__()
 
     def _command(self, ports: dict[str, int]) -> list[str]:
         identities = self.data_dir / "s3-identities.json"
@@ -161,9 +149,3 @@ class SeaweedServer:
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             response.read()
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            stop_group(self._proc)
-            self._proc = None
-        self._url = None
