@@ -159,8 +159,6 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     excluded += [quarantined(a, refused[a.key]) for a in collected.arrivals if a.key in refused]
     arrivals = [a for a in collected.arrivals if a.key not in refused]
     arrivals, (model, _, model_object, update, outer, weighted, dropped) = merge_finite(state, arrivals, rule, excluded)
-    if model is not None and not all(torch.isfinite(t).all() for t in model.values()):
-        raise RoundFailed(f"{state.run} round {state.round}: θ_r is not finite; nothing was published")
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
