@@ -13,7 +13,7 @@ import torch
 
 from storage.text import read_corpus
 from tasks.core.data import evaluate, split_held_out
-from tasks.core.model import assign_params, skeleton, vocab_and_context
+from tasks.core.model import assign_params, skeleton, spec_vocab_and_context
 from tasks.round_state import held_out_batches
 
 CORPUS = "stdlib"
@@ -29,7 +29,7 @@ def train_bytes() -> bytes:
 
 def context(model: str = PRESET) -> int:
     """The context length of `model` (a local spec), which every batch's windows have."""
-    return vocab_and_context(skeleton(model, 0))[1]
+    return spec_vocab_and_context(model, 0)[1]
 
 
 def batches(model: str = PRESET) -> list:

@@ -252,9 +252,9 @@ def check_data(config: RunConfig) -> None:
     """Before anything is written: the corpus and tokenizer exist and fit the model (ValueError, one line)."""
     from storage.corpus import check_corpus
     from storage.model_files import local_model
-    from tasks.core.model import skeleton, vocab_and_context
+    from tasks.core.model import spec_vocab_and_context
 
-    vocab, _ = vocab_and_context(skeleton(local_model(config.model), config.seed))
+    vocab, _ = spec_vocab_and_context(local_model(config.model), config.seed)
     check_corpus(config.corpus, config.eval_corpus, config.tokenizer, vocab)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import fsspec
 
 from tasks.core.config import RunConfig
-from tasks.core.model import FACTORY, PRESETS, ModelError, skeleton, vocab_and_context
+from tasks.core.model import FACTORY, PRESETS, ModelError, spec_vocab_and_context
 
 CACHE = Path(os.environ.get("ISLANDS_MODEL_CACHE", Path.home() / ".cache" / "islands" / "models"))
 
@@ -28,7 +28,7 @@ def is_remote(url: str) -> bool:
 def step_tokens(config: RunConfig) -> int:
     """Tokens one inner step of the run trains (batch × the model's context): what bounds a
     delta's token claim, with its inner steps."""
-    return config.inner.batch_size * vocab_and_context(skeleton(local_model(config.model), config.seed))[1]
+    return config.inner.batch_size * spec_vocab_and_context(local_model(config.model), config.seed)[1]
 
 
 def local_model(spec: str) -> str:

@@ -22,6 +22,7 @@ from tasks.core.model import (
     check_model,
     params_of,
     skeleton,
+    spec_vocab_and_context,
     vocab_and_context,
 )
 
@@ -84,6 +85,12 @@ def test_a_factory_syncs_float_trainable_parameters_only():
     )
     assert vocab_and_context(model) == (256, 32)
     check_model("python:hf_models:bigram")
+
+
+def test_a_specs_vocabulary_and_context_are_the_built_models(llama):
+    """Read from the config where there is one, without building weights; the same as asking the model."""
+    for spec in ("tiny", "small", llama, "python:hf_models:bigram"):
+        assert spec_vocab_and_context(spec, 0) == vocab_and_context(build_model(spec, 0)), spec
 
 
 @pytest.mark.parametrize(

@@ -259,14 +259,28 @@ def vocab_and_context(model: nn.Module) -> tuple[int, int]:
     """(vocabulary size, context length) of a model: from its `.config` (GPT's vocab_size and
     block_size, an HF config's vocab_size and max_position_embeddings) or, for a factory's
     module, from those attributes on the module itself."""
-    for source in (getattr(model, "config", None), model):
+    return _shape(getattr(model, "config", None), model, name=type(model).__name__)
+
+
+def spec_vocab_and_context(spec: str, seed: int) -> tuple[int, int]:
+    """`vocab_and_context` of the model `spec` names, read from its config where it has one (a
+    preset, an HF config), so that checking a corpus or bounding token claims builds no weights;
+    a factory's module is built (as a skeleton) to be asked."""
+    if spec in PRESETS:
+        return _shape(PRESETS[spec], name=spec)
+    if not spec.startswith(FACTORY):
+        return _shape(hf_config(spec), name=spec)
+    return vocab_and_context(skeleton(spec, seed))
+
+
+def _shape(*sources, name: str) -> tuple[int, int]:
+    for source in sources:
         vocab = getattr(source, "vocab_size", None)
         context = getattr(source, "block_size", None) or getattr(source, "max_position_embeddings", None)
         if isinstance(vocab, int) and isinstance(context, int):
             return vocab, context
     raise ModelError(
-        f"{type(model).__name__} names no vocab_size and block_size (or max_position_embeddings); "
-        "set them on the module or its .config"
+        f"{name} names no vocab_size and block_size (or max_position_embeddings); set them on the module or its .config"
     )
 
 
