@@ -192,7 +192,8 @@ class InnerTrainer:
         self.sleep = sleep
         self.step = 0
         self.lr_offset = 0  # catch_up's lead (or lag) of the schedule against the steps trained
-        named = synced(model)  # frozen and integer parameters are not trained
+        # Frozen and integer parameters are not trained; found once, as the model will not change.
+        self.named = named = synced(model)
         # Weight decay on matrices and embeddings only, not on LayerNorm gains (nanoGPT).
         decay = [(n, p) for n, p in named if p.dim() >= 2]
         no_decay = [(n, p) for n, p in named if p.dim() < 2]
@@ -288,7 +289,7 @@ class InnerTrainer:
         """Load `base` as the local weights: a phase starts here."""
         if self.parallel == "fsdp":
             with torch.no_grad():
-                for name, p in synced(self.model):
+                for name, p in self.named:
                     p.copy_(self._like(base[name], p))
         else:
             load_params(self.model, base)
@@ -297,13 +298,13 @@ class InnerTrainer:
     @torch.no_grad()
     def delta(self, base: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """base − local weights in float32 on the CPU: the phase's pseudo-gradient so far."""
-        diffs = {name: base[name].to(p.device, torch.float32) - self._full(p).float() for name, p in synced(self.model)}
+        diffs = {name: base[name].to(p.device, torch.float32) - self._full(p).float() for name, p in self.named}
         return to_host(diffs, self.copy_stream)
 
     @torch.no_grad()
     def shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
         """Local weights += newer − base: the phase's progress so far, carried onto `newer`."""
-        for name, p in synced(self.model):
+        for name, p in self.named:
             p.add_(self._like(newer[name].float() - base[name].float(), p))
 
     def train_step(self) -> float:
@@ -317,7 +318,7 @@ class InnerTrainer:
         try:
             loss = self._accumulate(x.to(self.device), y.to(self.device))
             if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for _, p in synced(self.model)], self.cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.cfg.grad_clip)
             self.optimizer.step()
         except torch.cuda.OutOfMemoryError:
             raise OutOfMemory(
