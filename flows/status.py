@@ -16,7 +16,7 @@ from datetime import datetime
 from flows.progress import loss_text
 from storage import layout
 from storage.manifest import Manifest
-from storage.rounds import object_metadata, read_chain, read_config, stop_requested, with_eval_losses
+from storage.rounds import read_chain, read_config, reported_metadata, stop_requested, with_eval_losses
 from storage.store import ObjectMissing, StoreError, Stores
 from tasks.core.config import EMBEDDED_STORE, RunConfig
 from tasks.core.validate import read_field
@@ -93,7 +93,7 @@ def newest_delta(stores: Stores, run: str, learner: str, region: str) -> dict | 
     }
     if not phases:
         return None
-    meta = object_metadata(store, phases[max(phases)])
+    meta = reported_metadata(store, phases[max(phases)])
     # The learner's own words: read within their bounds, so no delta can make status fail.
     return {
         "phase": max(phases),

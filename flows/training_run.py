@@ -32,7 +32,7 @@ from flows.learner_runs import retire_learners
 from flows.outer_round import outer_round, summarize
 from flows.progress import ProgressView
 from storage import layout, lease
-from storage.rounds import evaluated, latest_round, object_metadata, read_chain, with_eval_losses
+from storage.rounds import evaluated, latest_round, read_chain, reported_metadata, with_eval_losses
 from storage.store import Stores
 from tasks.core.config import RunConfig, new_run_id, store_template
 from tasks.core.validate import read_field
@@ -113,18 +113,19 @@ def run_round(run: str, round_: int, store: str) -> dict:
 
 
 def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, int]]:
-    """Bytes each region's learners wrote and read, from their newest delta's own counters."""
+    """Bytes each region's learners wrote and read, from the counters of each one's newest delta
+    whose header reads."""
     out = {}
     for region in config.regions:
         store = stores.region(region)
-        newest: dict[str, str] = {}
+        keys: dict[str, list[str]] = {}
         for key in sorted(store.list(layout.deltas_prefix(config.run_id))):
             parsed = layout.parse_delta_key(key)
             if parsed:
-                newest[parsed[0]] = key
+                keys.setdefault(parsed[0], []).append(key)
         written = read = 0
-        for key in newest.values():
-            meta = object_metadata(store, key)
+        for own in keys.values():
+            meta = next((m for key in reversed(own) if (m := reported_metadata(store, key))), {})
             written += read_field(meta, "io_written", 0)
             read += read_field(meta, "io_read", 0)
         out[region] = {"written": written, "read": read}

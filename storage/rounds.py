@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from storage import layout
-from storage.codec import MAX_HEADER_BYTES, TensorFile, encode_state_object, read_header
+from storage.codec import MAX_HEADER_BYTES, CodecError, TensorFile, encode_state_object, read_header
 from storage.encoded import EncodedObject
 from storage.manifest import EncodedRef, Evaluation, Manifest, ObjectRef
 from storage.spool import spool
-from storage.store import IntegrityError, ObjectMissing, ObjectStore, sha256_hex
+from storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError, sha256_hex
 from tasks.core.config import RunConfig
 
 
@@ -163,3 +163,13 @@ def object_header(store: ObjectStore, key: str) -> tuple[dict, dict[str, str], i
 def object_metadata(store: ObjectStore, key: str) -> dict[str, str]:
     """A safetensors object's metadata, without fetching the tensors."""
     return object_header(store, key)[1]
+
+
+def reported_metadata(store: ObjectStore, key: str) -> dict[str, str]:
+    """`object_metadata` for readers that only report (a run's summary, status): a learner may
+    have written anything under its keys, so an object whose header does not read, or that is
+    gone, reports nothing ({}) instead of failing the report."""
+    try:
+        return object_metadata(store, key)
+    except (CodecError, StoreError):
+        return {}
