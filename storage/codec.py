@@ -17,6 +17,11 @@ import shutil
 import struct
 from pathlib import Path
 
+# safetensors' save imports numpy.ctypeslib lazily, on its first call, whichever thread makes it;
+# once (a merge resumed after a crash, threads of the round about) that import found the module
+# half made and numpy's lazy attribute lookup recursed until RecursionError. Imported with the
+# codec, it is whole before anything saves.
+import numpy.ctypeslib  # noqa: F401
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
