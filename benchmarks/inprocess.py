@@ -94,7 +94,12 @@ def dp_train(budget: Budget, seed: int, ddp: bool) -> tuple[dict, dict]:
     """The data-parallel model's training, in one process or as one rank of a group."""
     model = build_model(budget.model, seed)
     sampler = BatchSampler(train_bytes(), budget.learners * BATCH, context(budget.model), seed=seed * 1000)
-    trainer = InnerTrainer(model, sampler, InnerSettings(warmup_steps=budget.warmup, total_steps=budget.steps), ddp=ddp)
+    trainer = InnerTrainer(
+        model,
+        sampler,
+        InnerSettings(warmup_steps=budget.warmup, total_steps=budget.steps),
+        parallel="ddp" if ddp else None,
+    )
     half = budget.steps // 2
     trainer.run_phase(params_of(model), half)
     snapshot = params_of(trainer.model)
