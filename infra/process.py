@@ -71,24 +71,40 @@ class _Reaper:
                     start_new_session=True,  # Ctrl-C in the terminal reaches the children, not it
                 )
                 self._owner = os.getpid()
-            self._proc.stdin.write(f"{pgid}\n".encode())
+            self._send(f"{pgid}")
+
+    def release(self, pgid: int) -> None:
+        """Forget group `pgid`, which has ended: its id may be given to an unrelated group later."""
+        with self._lock:
+            if self._proc is not None and self._owner == os.getpid():
+                self._send(f"-{pgid}")
+
+    def _send(self, line: str) -> None:
+        try:
+            self._proc.stdin.write(f"{line}\n".encode())
             self._proc.stdin.flush()
+        except BrokenPipeError:  # the reaper is gone; nothing is left to tell
+            pass
 
 
 _reaper = _Reaper()
 
 
 def reap(stdin=sys.stdin.buffer) -> None:
-    """The reaper's loop: read process-group ids until end of file, then end those groups one
-    after another, the newest first, so that the learner runner's flow runs end (and report so)
-    while the Prefect and S3 servers they talk to are still up: SIGTERM, and SIGKILL for what is
-    left of a group after REAP_GRACE_S."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for pgid in reversed([int(line) for line in stdin]):
+    """The reaper's loop: read process-group ids until end of file ("-ID" forgets one its parent
+    has stopped), then end the groups still held one after another, the newest first, so that the
+    learner runner's flow runs end (and report so) while the Prefect and S3 servers they talk to
+    are still up: SIGTERM, and SIGKILL for what is left of a group after REAP_GRACE_S."""
+    held: dict[int, None] = {}  # insertion-ordered
+    for line in stdin:
+        pgid = int(line)
+        if pgid < 0:
+            held.pop(-pgid, None)
+        else:
+            held[pgid] = None
+    for pgid in reversed(held):
         _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + REAP_GRACE_S
-        while pid_alive(pgid, group=True) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _ended(pgid, time.monotonic() + REAP_GRACE_S)
         _signal_group(pgid, signal.SIGKILL)
 
 
@@ -172,21 +188,23 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """
     pgid = proc.pid
     _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        proc.poll()
-        if proc.returncode is not None and not pid_alive(pgid, group=True):
-            return
-        time.sleep(0.1)
-    _signal_group(pgid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 5.0
-    while pid_alive(pgid, group=True) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    if not _ended(pgid, time.monotonic() + grace, proc):
+        _signal_group(pgid, signal.SIGKILL)
+        proc.wait()
+        _ended(pgid, time.monotonic() + 5.0)
+    if proc.poll() is not None and not pid_alive(pgid, group=True):
+        _reaper.release(pgid)
 
 
-if __name__ == "__main__":
-    reap()
+def _ended(pgid: int, deadline: float, leader: subprocess.Popen | None = None) -> bool:
+    """Wait until group `pgid` (and its leader, reaped if it is our child) is gone, or the
+    deadline passes; whether it is gone."""
+    while True:
+        if (leader is None or leader.poll() is not None) and not pid_alive(pgid, group=True):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 class ChildServer:
@@ -212,3 +230,8 @@ class ChildServer:
             stop_group(self._proc)
             self._proc = None
         self._url = None
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    reap()

@@ -1,21 +1,24 @@
 """The embedded S3 endpoint (SeaweedFS) on its own: every write it acknowledged is there after the
 server is killed with SIGKILL; it keeps the conditional-write contract (storage.probe) and S3
-Object Lock; and a child spawned by a process is ended when that process is killed."""
+Object Lock; and a child spawned by a process is ended when that process is killed, while a group
+its parent has already stopped (whose id may belong to another group by then) is left alone."""
 
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.process import pid_alive
+from infra.process import pid_alive, reap
 from infra.s3_server import CREDENTIALS, create_buckets
 from infra.seaweed import SeaweedServer
 from storage.probe import check_create_only
@@ -112,3 +115,18 @@ def test_a_spawned_child_ends_when_its_parent_is_killed(tmp_path):
     while pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_alive(child), "the child outlived its parent's SIGKILL"
+
+
+def test_the_reaper_ends_the_groups_it_holds_and_never_one_already_released():
+    held, released = (subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2))
+    lines = io.BytesIO(f"{released.pid}\n{held.pid}\n-{released.pid}\n".encode())
+    reaper = threading.Thread(target=reap, args=(lines,))  # here, so that the test reaps its sleeps
+    try:
+        reaper.start()
+        assert held.wait(timeout=10) == -signal.SIGTERM
+        reaper.join(timeout=10)
+        assert released.poll() is None, "the reaper signalled a group its parent had released"
+    finally:
+        for proc in (held, released):
+            proc.kill()
+            proc.wait()
