@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +52,17 @@ from tasks.write_behind import WriteBehind
 STOP_CHECK_S = 2.0
 CARRY_LIMIT = 8  # unmerged deltas a learner carries at most (each is a model's size in memory)
 log = logging.getLogger(__name__)
+
+
+def phase_after(states: Iterable[int], deltas: Iterable[int]) -> int:
+    """The phase a restored learner trains next: the one after its newest saved state, past any
+    delta already under that number (written before its state, by a crash between the two). Not
+    after its newest delta: whoever holds the learner's keys could write one under any number,
+    and the learner would jump there, up to numbers its keys cannot spell."""
+    taken, phase = set(deltas), max(states, default=-1) + 1
+    while phase in taken:
+        phase += 1
+    return phase
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,7 @@ class LearnerSession:
             data = store.get(states[newest])
             trainer_state, self.residual = split_residual(decode_state(data))
             self.trainer.load_state_dict(trainer_state)
-        self.next_phase = max([*states, *deltas], default=-1) + 1
+        self.next_phase = phase_after(states, deltas)
 
     def collect_old_states(self, newest: int) -> None:
         """Garbage-collect saved states older than the one before `newest` (only those are read)."""
