@@ -26,6 +26,7 @@ import concurrent.futures
 import hashlib
 import random
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -80,6 +81,7 @@ class S3Store(ObjectStore):
         config = dict(options.get("config_kwargs") or {})
         config["retries"] = {"mode": "standard", **(config.get("retries") or {})}
         self.fs, root = fsspec.core.url_to_fs(self.url, **{**options, "config_kwargs": config})
+        _filesystems.add(self.fs)
         self.bucket, _, self.below = root.rstrip("/").partition("/")
 
     def _key(self, key: str) -> str:
@@ -397,6 +399,9 @@ class S3Store(ObjectStore):
             args = {"Prefix": s3_prefix, "KeyMarker": marker[0], "VersionIdMarker": marker[1]}
 
 
+_filesystems: weakref.WeakSet = weakref.WeakSet()  # every store's, also those dropped from s3fs's cache
+
+
 @atexit.register
 def _stop_io() -> None:
     """Close every S3 client's connections, then stop fsspec's IO thread, before the interpreter
@@ -406,7 +411,7 @@ def _stop_io() -> None:
     loop, thread = fsspec.asyn.loop[0], fsspec.asyn.iothread[0]
     if loop is None or not loop.is_running():
         return
-    for fs in list(s3fs.S3FileSystem._cache.values()):
+    for fs in {*s3fs.S3FileSystem._cache.values(), *_filesystems}:
         if fs._s3 is not None:
             try:
                 fsspec.asyn.sync(loop, fs._s3.close, timeout=2)
