@@ -56,6 +56,13 @@ def s3_bucket(s3_endpoint):
 STACK_REGIONS = ["north", "south"]
 
 
+def run_args(run_id: str, regions: list[str], rounds: int) -> list[str]:
+    """`islands run`'s arguments for the tests' short runs: phases of 8 steps, a quorum of one."""
+    return (
+        f"run --run-id {run_id} --regions {','.join(regions)} --rounds {rounds} --inner-steps 8 --min-quorum 1".split()
+    )
+
+
 @pytest.fixture(scope="session")
 def islands_stack(tmp_path_factory):
     """One embedded stack (SeaweedFS S3 in its own process, Prefect API, learner runner) shared by the

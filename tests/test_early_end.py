@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import STACK_REGIONS
+from conftest import STACK_REGIONS, run_args
 
 ROUNDS, TARGET = 40, 5.0  # round 0 evaluates at about 5.5; H=8 rounds pass 5.0 within a few
 BUDGET = 3 * 8 * 16 * 128  # three phases of 8 steps of 16 × 128 tokens
@@ -31,21 +31,7 @@ def env(islands_stack):
 
 
 def run(env: dict, run_id: str, *until: str) -> dict:
-    return islands(
-        env,
-        "run",
-        "--run-id",
-        run_id,
-        "--regions",
-        ",".join(STACK_REGIONS),
-        "--rounds",
-        str(ROUNDS),
-        "--inner-steps",
-        "8",
-        "--min-quorum",
-        "1",
-        *until,
-    )
+    return islands(env, *run_args(run_id, STACK_REGIONS, ROUNDS), *until)
 
 
 @pytest.fixture(scope="module")

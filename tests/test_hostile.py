@@ -17,7 +17,7 @@ import threading
 import time
 
 import torch
-from conftest import STACK_REGIONS
+from conftest import STACK_REGIONS, run_args
 from fake_learner import TEMPLATE, delta_bytes, metadata, new_run, pseudo_gradient, put
 from prefect.logging import disable_run_logger
 from safetensors.torch import save as st_save
@@ -200,17 +200,7 @@ def test_a_run_keeps_publishing_while_a_region_receives_hostile_deltas(on_stack)
                 sys.executable,
                 "-m",
                 "flows.cli",
-                "run",
-                "--run-id",
-                run,
-                "--regions",
-                ",".join(STACK_REGIONS),
-                "--rounds",
-                str(ROUNDS),
-                "--inner-steps",
-                "8",
-                "--min-quorum",
-                "1",
+                *run_args(run, STACK_REGIONS, ROUNDS),
                 "--json",
             ],
             env=dict(os.environ),

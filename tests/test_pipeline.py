@@ -16,7 +16,7 @@ import time
 
 import boto3
 import pytest
-from conftest import STACK_REGIONS
+from conftest import STACK_REGIONS, run_args
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
@@ -32,17 +32,7 @@ def finished_run(islands_stack):
         sys.executable,
         "-m",
         "flows.cli",
-        "run",
-        "--run-id",
-        "e2e-run",
-        "--regions",
-        ",".join(REGIONS),
-        "--rounds",
-        str(ROUNDS),
-        "--inner-steps",
-        "8",
-        "--min-quorum",
-        "1",
+        *run_args("e2e-run", REGIONS, ROUNDS),
         "--speed",
         "south=0.33",
         "--json",
