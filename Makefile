@@ -34,8 +34,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
+# Two workers, a test file each at a time (its module's fixtures stay one): most tests spend their
+# time waiting on the servers, learners and runs they start, so one worker left a core idle.
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
