@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def create_buckets(url: str, names: Iterable[str], locked: Iterable[str] = ()) -
     for name in names:
         if name not in existing:
             s3.create_bucket(Bucket=name, **({"ObjectLockEnabledForBucket": True} if name in locked else {}))
+            usable(s3, name)
         elif name in locked and not lock_enabled(s3, name):
             s3.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
             try:
@@ -68,6 +70,23 @@ def create_buckets(url: str, names: Iterable[str], locked: Iterable[str] = ()) -
                     f"this endpoint turns S3 Object Lock on for an empty bucket only ({exc.response['Error']['Code']}); "
                     "start the embedded stack in a fresh ISLANDS_HOME"
                 ) from exc
+
+
+def usable(s3, bucket: str, timeout: float = 30.0) -> None:
+    """Wait until a bucket just created answers: SeaweedFS's S3 gateway learns of a new bucket
+    from its filer a moment later, and a write before then fails with NoSuchBucket (seen on a
+    loaded machine, right after the server restarted)."""
+    from botocore.exceptions import ClientError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            s3.head_bucket(Bucket=bucket)
+            return
+        except ClientError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def lock_enabled(s3, bucket: str) -> bool:
