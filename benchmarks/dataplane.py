@@ -29,13 +29,13 @@ import fsspec
 import torch
 
 from benchmarks.report import Result, Row, at_least, at_most, figure, standalone
-from storage import layout
-from storage.codec import encode
-from storage.manifest import ObjectRef
-from storage.rounds import get_tensors, put_tensors
-from storage.store import Stores
-from tasks.core.config import RunConfig
-from tasks.core.model import GPT, GPTConfig
+from islands.core.config import RunConfig
+from islands.core.model import GPT, GPTConfig
+from islands.storage import layout
+from islands.storage.codec import encode
+from islands.storage.manifest import ObjectRef
+from islands.storage.rounds import get_tensors, put_tensors
+from islands.storage.store import Stores
 
 STORE = "s3://islands-{bucket}"
 REGIONS = ["east", "west"]
@@ -112,11 +112,11 @@ def spent(marks: list[tuple[str, dict[str, float]]]) -> dict[str, dict[str, floa
 
 def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
     """In the child: the synchronizer's critical path, then the same bytes through boto3."""
-    from infra.s3_server import client
-    from tasks.collect import Arrival, inspect_all
-    from tasks.merge_step import Merged, apply_merge
-    from tasks.publish import write_objects
-    from tasks.round_state import RoundState
+    from islands.infra.s3_server import client
+    from islands.tasks.collect import Arrival, inspect_all
+    from islands.tasks.merge_step import Merged, apply_merge
+    from islands.tasks.publish import write_objects
+    from islands.tasks.round_state import RoundState
 
     torch.set_num_threads(2)
     baseline = vm("VmRSS")
@@ -196,15 +196,15 @@ def throughput_row(k: int, m: dict) -> Row:
 def endpoints(tmp: Path) -> dict:
     """The servers compared, by name: moto's S3 server (objects in memory) and SeaweedFS, the
     embedded stack's endpoint (objects on disk, each fsynced before it is acknowledged)."""
-    from infra.s3_server import MotoServer
-    from infra.seaweed import SeaweedServer
+    from islands.infra.s3_server import MotoServer
+    from islands.infra.seaweed import SeaweedServer
 
     return {"moto": MotoServer(tmp / "moto.log"), "seaweedfs": SeaweedServer(tmp / "seaweedfs", tmp / "weed.log")}
 
 
 def measure_on(server, cfg: GPTConfig, ks: tuple[int, ...]) -> dict[str, dict]:
     """The synchronizer's critical path and the boto3 baseline at each K against one server."""
-    from infra.s3_server import CREDENTIALS, create_buckets
+    from islands.infra.s3_server import CREDENTIALS, create_buckets
 
     before = dict(os.environ)
     os.environ.update(CREDENTIALS)

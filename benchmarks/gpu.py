@@ -5,7 +5,7 @@ GPU's peak bf16 rate, the PaLM paper's measure, arXiv 2204.02311) of the bare in
 ~150M-parameter Llama-config model (transformers' LlamaConfig) on synthetic tokens; the same
 for a learner's phase of H steps with its delta copied to the host, encoded and written to an
 object store, which a learner's utilization is read against; and the seconds the synchronizer's
-merge (tasks.core.merge.merge_round) takes for 8 deltas of a 1B-parameter model.
+merge (islands.core.merge.merge_round) takes for 8 deltas of a 1B-parameter model.
 `--cpu-smoke` runs the same code at toy sizes on the CPU, so CI keeps it working without a GPU
 (its figures say nothing about a GPU). Without CUDA and without --cpu-smoke, each row says so.
 `python -m benchmarks --only gpu` runs it in the suite's table (`--quick`: the smoke sizes).
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.report import Result, figure, print_report, timed
-from storage.codec import encode_wire
-from storage.store import ObjectStore
-from tasks.core.compress import compress_with_feedback
-from tasks.core.config import InnerSettings, MergeSettings
-from tasks.core.inner import InnerTrainer
-from tasks.core.merge import merge_round
-from tasks.core.model import synced
+from islands.core.compress import compress_with_feedback
+from islands.core.config import InnerSettings, MergeSettings
+from islands.core.inner import InnerTrainer
+from islands.core.merge import merge_round
+from islands.core.model import synced
+from islands.storage.codec import encode_wire
+from islands.storage.store import ObjectStore
 
 # Peak dense bf16 FLOP/s by device name (vendors' data sheets): MFU's denominator.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}

@@ -11,10 +11,10 @@ from functools import lru_cache
 
 import torch
 
-from storage.text import read_corpus
-from tasks.core.data import evaluate, split_held_out
-from tasks.core.model import assign_params, skeleton, spec_vocab_and_context
-from tasks.round_state import held_out_batches
+from islands.core.data import evaluate, split_held_out
+from islands.core.model import assign_params, skeleton, spec_vocab_and_context
+from islands.storage.text import read_corpus
+from islands.tasks.round_state import held_out_batches
 
 CORPUS = "stdlib"
 PRESET = "tiny"

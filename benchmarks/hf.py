@@ -3,7 +3,7 @@ written by transformers' LlamaConfig, trained by the decoupled pipeline against 
 DiLoCo at equal tokens (benchmarks.quality's bar, on the same data, seeds and held-out batches),
 and its learners' tokens/s in the pipeline against the bare inner loop of the same model with
 the same floor on a step's time (benchmarks.utilization's bar). No second-class path: the
-pipeline, the baselines and the evaluation build it through tasks.core.model.build_model like
+pipeline, the baselines and the evaluation build it through islands.core.model.build_model like
 the presets.
 """
 

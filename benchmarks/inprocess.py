@@ -1,6 +1,6 @@
 """The baselines, trained with the project's own pieces outside the pipeline: data-parallel (one
 model at K× batch, in this process or in a few ranks that average their gradients) and
-synchronous DiLoCo (K learners, wait for all, tasks.core.merge for the merge), its learners in this
+synchronous DiLoCo (K learners, wait for all, islands.core.merge for the merge), its learners in this
 process or in a few worker processes.
 
 Same model, data and seeds as the pipeline's learners (tasks.train_phase): learner i trains on
@@ -25,11 +25,11 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from benchmarks.heldout import BATCH, PRESET, context, train_bytes
-from tasks.core.config import InnerSettings, MergeSettings
-from tasks.core.data import BatchSampler, shard
-from tasks.core.inner import InnerTrainer
-from tasks.core.merge import merge_round
-from tasks.core.model import build_model, params_of
+from islands.core.config import InnerSettings, MergeSettings
+from islands.core.data import BatchSampler, shard
+from islands.core.inner import InnerTrainer
+from islands.core.merge import merge_round
+from islands.core.model import build_model, params_of
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Budget:
     learners: int = 4
     steps: int = 600  # per learner
     warmup: int = 50
-    model: str = PRESET  # a local model spec (tasks.core.model.build_model)
+    model: str = PRESET  # a local model spec (islands.core.model.build_model)
 
     @property
     def tokens(self) -> int:

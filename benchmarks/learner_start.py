@@ -27,10 +27,10 @@ def ready(queue, t0: float) -> None:
     long since the parent started it."""
     import torch
 
-    import flows.learner  # noqa: F401
+    import islands.flows.learner  # noqa: F401
     from benchmarks.heldout import PRESET
-    from storage.store import Stores
-    from tasks.core.model import build_model
+    from islands.core.model import build_model
+    from islands.storage.store import Stores
 
     Stores("s3://islands-{bucket}", ["north"])  # no request yet: fsspec imports the S3 file system
     torch.optim.AdamW(build_model(PRESET, 0).parameters())
@@ -51,7 +51,7 @@ def start(context: multiprocessing.context.BaseContext, n: int) -> float:
 
 
 def run(quick: bool) -> Result:
-    from flows.serve import PRELOAD, ForkServer
+    from islands.flows.serve import PRELOAD, ForkServer
 
     fresh, forks = multiprocessing.get_context("spawn"), ForkServer(PRELOAD).get_context()
     start(forks, 1)  # the server imports its preload once, as the runner's does before the first run

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.heldout import BATCH, CORPUS, EVAL_BATCHES, PRESET
-from storage import layout
-from storage.manifest import Manifest, Quorum
-from storage.rounds import get_tensors, object_metadata, put_tensors, read_chain, with_eval_losses
-from storage.store import Stores
-from tasks.core.config import load_config
-from tasks.publish import commit, hyper
+from islands.core.config import load_config
+from islands.storage import layout
+from islands.storage.manifest import Manifest, Quorum
+from islands.storage.rounds import get_tensors, object_metadata, put_tensors, read_chain, with_eval_losses
+from islands.storage.store import Stores
+from islands.tasks.publish import commit, hyper
 
 REGIONS = ("us-east", "eu-west", "ap-south", "sa-east")
 STORE = "s3://islands-{bucket}"
@@ -43,7 +43,7 @@ def stack_env() -> dict[str, str]:
     or by `new_stack`."""
     global _EXIT_HOOKS
     if not _STACK:
-        from infra.stack import LocalStack
+        from islands.infra.stack import LocalStack
 
         home = Path(tempfile.mkdtemp(prefix="islands-bench-"))
         stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)], keep=False).start(record=True)
@@ -202,7 +202,7 @@ def run(spec: Spec) -> Run:
         seed_round0(spec, stores)
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
         fh.write(toml(spec.config()))
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", fh.name, "--json"]
+    cmd = [sys.executable, "-m", "islands.flows.cli", "run", "--config", fh.name, "--json"]
     for c in spec.chaos:
         cmd += ["--chaos", c]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import Result, at_least, standalone
-from infra.prefect_server import PrefectServer
+from islands.infra.prefect_server import PrefectServer
 
 
 def start_s(root: Path, cache: Path) -> tuple[float, bool]:

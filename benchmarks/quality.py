@@ -14,7 +14,7 @@ import torch
 from benchmarks import heldout, pipeline
 from benchmarks.inprocess import Budget, data_parallel, sync_diloco_from_seed, sync_diloco_from_warm
 from benchmarks.report import Result, at_most, standalone
-from tasks.core.config import MergeSettings
+from islands.core.config import MergeSettings
 
 # The papers' η for full merges (DiLoCo, arXiv 2311.08105), with μ 0.8 from their sweep
 # {0.95, 0.9, 0.8}: on this model and budget it beat both 0.9 and 0.7 at H=10.

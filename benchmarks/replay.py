@@ -1,15 +1,15 @@
 """The decoupled pipeline's schedule replayed in virtual time, in one process.
 
-Same learners, data, inner loop, quorum rule (tasks.core.quorum.decide) and merge plan
-(tasks.core.merge.plan_merge) as the pipeline, but the clock is simulated: a full-speed learner's inner
+Same learners, data, inner loop, quorum rule (islands.core.quorum.decide) and merge plan
+(islands.core.merge.plan_merge) as the pipeline, but the clock is simulated: a full-speed learner's inner
 step takes `step_s`, a slow one's 1/speed of that, a round is visible to learners `publish_s` after
 it closes. Nothing waits on servers, so learner behaviours, outer steps and codecs can be compared side by side
 on the same schedule in minutes (benchmarks.schedule, benchmarks.codec); the pipeline itself (benchmarks.quality,
 benchmarks.wire) is what the bars are measured on.
 
-Deltas go through the delta codec with the learner's error feedback (tasks.core.compress), as a learner
+Deltas go through the delta codec with the learner's error feedback (islands.core.compress), as a learner
 sends them. With `update_codec`, a round's θ is θ_{r−1} + the decoded update with the
-synchronizer's error feedback (tasks.core.merge.encode_update), as the pipeline publishes it; without,
+synchronizer's error feedback (islands.core.merge.encode_update), as the pipeline publishes it; without,
 it is the merge's θ exactly.
 """
 
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field, replace
 
 from benchmarks.heldout import BATCH, PRESET
 from benchmarks.inprocess import Budget, learner_trainers
-from tasks.core.compress import compress_with_feedback
-from tasks.core.config import MergeSettings, QuorumSettings
-from tasks.core.inner import InnerTrainer, carried
-from tasks.core.merge import Candidate, encode_update, merge_round, plan_merge
-from tasks.core.model import build_model, params_of
-from tasks.core.pace import phase_steps
-from tasks.core.quorum import LearnerHistory, decide
+from islands.core.compress import compress_with_feedback
+from islands.core.config import MergeSettings, QuorumSettings
+from islands.core.inner import InnerTrainer, carried
+from islands.core.merge import Candidate, encode_update, merge_round, plan_merge
+from islands.core.model import build_model, params_of
+from islands.core.pace import phase_steps
+from islands.core.quorum import LearnerHistory, decide
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Schedule:
     rebase: bool = True
     carry: bool = False  # phases continue from the learner's own weights, its unmerged deltas carried
     catch_up: bool = False  # a phase starts at the learners' average progress in the lr schedule
-    paced: bool = False  # a phase's steps scale with the learner's rate (tasks.core.pace)
+    paced: bool = False  # a phase's steps scale with the learner's rate (islands.core.pace)
     away: int = 0  # learners of the run that never send a delta (dead throughout), beyond `speeds`
     codec: str = "fp32"  # the deltas' codec
     update_codec: str | None = None  # the rounds' update codec; None: θ_r is the merge's result as it is
@@ -88,7 +88,7 @@ def replay(
     on_round: Callable[[int, dict], None] | None = None,
 ) -> tuple[dict, dict]:
     """Train until the learners have trained the budget's tokens, merging as the synchronizer
-    does (weights from tasks.core.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
+    does (weights from islands.core.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
     Round 0 is `init` when given (a warm start), else the seeded model; `on_round(r, θ_r)` sees
     each round's model as it is published."""
     block = build_model(PRESET, seed).config.block_size

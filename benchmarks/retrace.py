@@ -23,13 +23,13 @@ import torch
 from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, learner_trainers
 from benchmarks.pipeline import REGIONS, Run
-from flows.audit import RULE_FIELDS
-from tasks.core.compress import compress_with_feedback
-from tasks.core.config import MergeSettings, RunConfig
-from tasks.core.inner import carried
-from tasks.core.merge import encode_update, merge_round
-from tasks.core.model import build_model, params_of
-from tasks.train_phase import CARRY_LIMIT
+from islands.core.compress import compress_with_feedback
+from islands.core.config import MergeSettings, RunConfig
+from islands.core.inner import carried
+from islands.core.merge import encode_update, merge_round
+from islands.core.model import build_model, params_of
+from islands.ops.audit import RULE_FIELDS
+from islands.tasks.train_phase import CARRY_LIMIT
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import logging
 import time
 
 from benchmarks.report import Result, at_least, standalone
-from infra.process import LOOPBACK
-from infra.s3_server import client, serve_s3, serve_wsgi
+from islands.infra.process import LOOPBACK
+from islands.infra.s3_server import client, serve_s3, serve_wsgi
 
 BUCKET = "bench-s3-endpoint"
 

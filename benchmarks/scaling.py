@@ -9,7 +9,7 @@ part's budget per learner and H=10. The rounds the 4 learners take to reach the 
 end at, against the rounds the 3 took, is the time that a quarter less compute costs; each row's
 bar is 4/3 ± 15%, the compute ratio. Then the replay again with 3 of a run's 4 learners alive, the
 fourth away throughout as the faults part's killed learner is for a while: the learners' lr
-catch-up (tasks.core.inner) puts their schedule at the tokens applied over the run's 4 learners, so
+catch-up (islands.core.inner) puts their schedule at the tokens applied over the run's 4 learners, so
 with one away it runs behind their steps; and the same two runs without catch-up.
 
 An ablation beside the suite, like `schedule` and `codec`: `python -m benchmarks --only scaling`.
@@ -28,8 +28,8 @@ from benchmarks.quality import SYNC_RULE, hs
 from benchmarks.replay import pipeline_defaults, replay
 from benchmarks.report import Result, standalone, within
 from benchmarks.wire import wire_budget
-from tasks.core.config import RunConfig
-from tasks.core.model import build_model, params_of
+from islands.core.config import RunConfig
+from islands.core.model import build_model, params_of
 
 FULL, FEWER = 4, 3  # learners: the faults part's (b) has about 3 learners' compute of (a)'s 4
 

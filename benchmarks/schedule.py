@@ -23,7 +23,7 @@ from benchmarks.inprocess import Budget, data_parallel, sync_diloco_from_seed, s
 from benchmarks.quality import DECOUPLED_BAR, SYNC_RULE, budget, hs
 from benchmarks.replay import Schedule, pipeline_defaults, replay
 from benchmarks.report import Result, at_most, standalone
-from tasks.core.config import MergeSettings, RunConfig
+from islands.core.config import MergeSettings, RunConfig
 
 # From the warm start: how long after a round closes the learners see it, in phases.
 LATE = {"a third of a phase": 1 / 3, "two thirds of a phase": 2 / 3, "a whole phase": 1.0}

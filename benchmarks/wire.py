@@ -16,8 +16,8 @@ from benchmarks import heldout, pipeline
 from benchmarks.inprocess import Budget
 from benchmarks.quality import at_budget, budget, decoupled_spec, hs
 from benchmarks.report import Result, at_least, at_most, standalone
-from tasks.core.model import build_model
-from tasks.core.plan import ring_bytes
+from islands.core.model import build_model
+from islands.core.plan import ring_bytes
 
 INT4_LOSS_BAR = 1.005
 INT4_UPDATES = "int3"

@@ -17,7 +17,7 @@ _S3_ENV = {
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """URL of a moto S3 server bound to loopback; AWS_* variables point at it for the session."""
-    from infra.s3_server import serve_s3
+    from islands.infra.s3_server import serve_s3
 
     server = serve_s3("127.0.0.1")
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -67,7 +67,7 @@ def run_args(run_id: str, regions: list[str], rounds: int) -> list[str]:
 def islands_stack(tmp_path_factory):
     """One embedded stack (SeaweedFS S3 in its own process, Prefect API, learner runner) shared by the
     tests that need Prefect; recorded in its home so `islands` commands given ISLANDS_HOME reuse it."""
-    from infra.stack import LocalStack
+    from islands.infra.stack import LocalStack
 
     home = tmp_path_factory.mktemp("islands-stack")
     stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in STACK_REGIONS)], keep=False)

@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from storage import layout
-from storage.codec import encode
-from storage.rounds import get_tensors, read_manifest
-from storage.store import Stores
-from tasks.core.config import RunConfig
+from islands.core.config import RunConfig
+from islands.storage import layout
+from islands.storage.codec import encode
+from islands.storage.rounds import get_tensors, read_manifest
+from islands.storage.store import Stores
 
 TEMPLATE = "s3://islands-{bucket}"
 TOKENS = 5 * 16 * 128  # H × batch × block of the tiny model
@@ -21,7 +21,7 @@ def new_run(
     run_id: str, learners_per_region: int = 1, update_codec: str = "bf16", **quorum
 ) -> tuple[RunConfig, Stores]:
     """A run on the session stack's buckets with round 0 published and no learner running."""
-    from flows.training_run import create_run
+    from islands.flows.training_run import create_run
 
     config = RunConfig(
         run_id=run_id,

@@ -13,8 +13,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from infra.process import stop_group
-from infra.stack import LocalStack
+from islands.infra.process import stop_group
+from islands.infra.stack import LocalStack
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -78,7 +78,7 @@ def served_stack(home: Path, buckets: list[str], serve_args: list[str], serve_en
         log = home / "logs" / "serve.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "serve", *serve_args],
+                [sys.executable, "-m", "islands.flows.cli", "serve", *serve_args],
                 env={**env, **(serve_env or {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -92,5 +92,5 @@ def served_stack(home: Path, buckets: list[str], serve_args: list[str], serve_en
 
 def islands(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "islands.flows.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
     )

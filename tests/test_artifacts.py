@@ -8,12 +8,13 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from flows import cli, status
-from flows.artifacts import browser_url, loss_curves, report_markdown, round_table
-from flows.plot import data_uri, line_chart
-from flows.status import NoSuchRun, liveness
-from storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
-from storage.store import Stores
+from islands.flows import cli
+from islands.ops import status
+from islands.flows.artifacts import browser_url, loss_curves, report_markdown, round_table
+from islands.ops.plot import data_uri, line_chart
+from islands.ops.status import NoSuchRun, liveness
+from islands.storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
+from islands.storage.store import Stores
 
 SVG = "{http://www.w3.org/2000/svg}"
 

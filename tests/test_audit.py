@@ -19,11 +19,11 @@ import pytest
 import torch
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cli import main
-from infra.s3_server import client
-from storage import layout
-from storage.codec import decode_state, encode_state, read_header
-from storage.manifest import Manifest
+from islands.flows.cli import main
+from islands.infra.s3_server import client
+from islands.storage import layout
+from islands.storage.codec import decode_state, encode_state, read_header
+from islands.storage.manifest import Manifest
 
 RUN = "audit-run"
 GLOBAL = "islands-global"
@@ -37,7 +37,7 @@ def s3(on_stack, tmp_path_factory):
     cmd = [
         sys.executable,
         "-m",
-        "flows.cli",
+        "islands.flows.cli",
         "run",
         "--config",
         str(config),
@@ -95,7 +95,7 @@ def audit(capsys, *flags: str) -> tuple[int, str]:
 def test_a_clean_run_passes_with_replay_and_balanced_books(s3, on_stack):
     """The real command, on the embedded stack it finds through ISLANDS_HOME."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "audit", RUN, "--replay", "--json"],
+        [sys.executable, "-m", "islands.flows.cli", "audit", RUN, "--replay", "--json"],
         env={**os.environ, **on_stack},
         capture_output=True,
         text=True,

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from tokenizers_for_tests import train_bpe
 
-from flows.cli import main
-from storage.prepare import groups, prepare
-from storage.tokenizer import load_tokenizer
+from islands.flows.cli import main
+from islands.storage.prepare import groups, prepare
+from islands.storage.tokenizer import load_tokenizer
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ import pytest
 import torch
 from fake_learner import TOKENS, delta_bytes, metadata, new_run, pseudo_gradient, put
 
-from flows.audit import audit_run
-from flows.outer_round import outer_round
-from storage import layout
-from storage.codec import MAX_HEADER_BYTES, encode, encode_wire
-from storage.rounds import read_manifest
-from tasks.core.compress import to_wire
+from islands.core.compress import to_wire
+from islands.flows.outer_round import outer_round
+from islands.ops.audit import audit_run
+from islands.storage import layout
+from islands.storage.codec import MAX_HEADER_BYTES, encode, encode_wire
+from islands.storage.rounds import read_manifest
 
 RUN = "bad-deltas"
 HONEST = ["north-0", "south-0", "north-1", "south-1"]

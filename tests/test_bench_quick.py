@@ -10,7 +10,7 @@ import sys
 
 from benchmarks.heldout import BATCH, PRESET
 from benchmarks.report import Result, at_least, at_most, table, within
-from tasks.core.model import build_model
+from islands.core.model import build_model
 
 
 def test_table_rows_say_yes_or_no_against_their_bar():

@@ -21,7 +21,7 @@ CHAOS = ["kill:west@round2", "stall:s3@20s+20s", "crash:synchronizer@publish.aft
 
 def islands(env: dict, *args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "islands.flows.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from storage.codec import (
+from islands.storage.codec import (
     MAX_HEADER_BYTES,
     CodecError,
     TensorFile,
@@ -23,8 +23,8 @@ from storage.codec import (
     encode_state_object,
     read_header,
 )
-from storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
-from storage.store import sha256_hex
+from islands.storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
+from islands.storage.store import sha256_hex
 
 META = {
     "run": "run-abc",

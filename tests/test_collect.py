@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from storage import layout
-from storage.store import ObjectStore
-from tasks import collect
-from tasks.collect import DeltaWatch
+from islands.storage import layout
+from islands.storage.store import ObjectStore
+from islands.tasks import collect
+from islands.tasks.collect import DeltaWatch
 
 
 @pytest.fixture(params=["file", "s3"])

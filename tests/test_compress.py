@@ -6,8 +6,7 @@ import zlib
 import pytest
 import torch
 
-from storage.codec import CodecError, decode, encode, encode_wire, packed
-from tasks.core.compress import (
+from islands.core.compress import (
     BLOCK,
     TERNARY_THRESHOLD,
     compress_with_feedback,
@@ -23,6 +22,7 @@ from tasks.core.compress import (
     to_wire,
     unpack,
 )
+from islands.storage.codec import CodecError, decode, encode, encode_wire, packed
 
 META = {"run": "run-abc", "learner": "us-east-0", "phase": "3"}
 
@@ -277,7 +277,7 @@ def test_integers_that_do_not_shrink_stay_packed_and_packed_objects_still_decode
 def test_objects_of_the_same_integers_deflated_differently_are_the_same_once_packed(monkeypatch):
     src = delta()
     fast = encode(src, META, "int4")
-    monkeypatch.setattr("tasks.core.compress.DEFLATE_LEVEL", 9)
+    monkeypatch.setattr("islands.core.compress.DEFLATE_LEVEL", 9)
     slow = encode(src, META, "int4")
     assert fast != slow and packed(fast) == packed(slow)
     assert torch.equal(decode(fast)[0]["wte.weight"], decode(slow)[0]["wte.weight"])

@@ -21,12 +21,12 @@ import boto3
 import pytest
 from botocore.exceptions import BotoCoreError
 
-import storage.s3 as s3_module
-from infra.process import free_port, http_status, spawn, stop_group, wait_ready
-from infra.s3_server import serve_wsgi
-from storage import layout, lease
-from storage.probe import check_create_only
-from storage.store import AccessDenied, ObjectStore, StoreError
+import islands.storage.s3 as s3_module
+from islands.infra.process import free_port, http_status, spawn, stop_group, wait_ready
+from islands.infra.s3_server import serve_wsgi
+from islands.storage import layout, lease
+from islands.storage.probe import check_create_only
+from islands.storage.store import AccessDenied, ObjectStore, StoreError
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
@@ -252,7 +252,7 @@ def test_islands_run_refuses_a_store_that_ignores_if_none_match_in_one_line(rclo
     cmd = [
         sys.executable,
         "-m",
-        "flows.cli",
+        "islands.flows.cli",
         "run",
         "--store",
         "s3://rc-{bucket}",

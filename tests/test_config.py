@@ -10,8 +10,8 @@ import pytest
 import s3fs
 from pydantic import ValidationError
 
-from flows import cli
-from tasks.core.config import ConfigError, RunConfig, load_config
+from islands.core.config import ConfigError, RunConfig, load_config
+from islands.flows import cli
 
 # -- the model itself -----------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.text import SKIPPED_DIRS, CorpusError, read_corpus, stdlib_files
+from islands.storage.text import SKIPPED_DIRS, CorpusError, read_corpus, stdlib_files
 
 
 def test_stdlib_files_prune_test_suites_and_installed_packages(tmp_path):

@@ -22,9 +22,9 @@ import boto3
 import pytest
 from conftest import STACK_REGIONS
 
-from flows.audit import audit_run
-from storage.store import Stores
-from tasks.crash import LEARNER_POINTS, POINTS
+from islands.ops.audit import audit_run
+from islands.storage.store import Stores
+from islands.tasks.crash import LEARNER_POINTS, POINTS
 
 REGIONS = STACK_REGIONS
 ROUNDS = 3
@@ -49,7 +49,7 @@ def stack(islands_stack, on_stack):
 def islands(env: dict, *args: str, crash: str | None = None) -> subprocess.Popen:
     extra = {"ISLANDS_CRASH": crash} if crash else {}
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *args],
+        [sys.executable, "-m", "islands.flows.cli", *args],
         env={**env, **extra},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

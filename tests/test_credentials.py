@@ -7,8 +7,8 @@ import pytest
 from prefect_aws import AwsCredentials
 from prefect_aws.client_parameters import AwsClientParameters
 
-from flows.credentials import CredentialsError, storage_options
-from storage.store import Stores
+from islands.flows.credentials import CredentialsError, storage_options
+from islands.storage.store import Stores
 
 AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_PROFILE")
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.core.data import (
+from islands.core.data import (
     BatchSampler,
     Cursor,
     InMemory,
@@ -16,7 +16,7 @@ from tasks.core.data import (
     split_held_out,
     split_shards,
 )
-from tasks.core.model import build_model
+from islands.core.model import build_model
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes; byte i is i % 256, so windows are easy to check
 

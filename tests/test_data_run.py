@@ -17,20 +17,20 @@ import pytest
 import torch
 from conftest import STACK_REGIONS
 
-from storage import layout
-from storage.codec import decode_state
-from storage.shards import Dataset, ShardEntry, TokenizerRef
-from storage.store import Stores
-from storage.text import stdlib_files
-from tasks.core.config import RunConfig
-from tasks.core.data import TokenRangeError
+from islands.core.config import RunConfig
+from islands.core.data import TokenRangeError
+from islands.storage import layout
+from islands.storage.codec import decode_state
+from islands.storage.shards import Dataset, ShardEntry, TokenizerRef
+from islands.storage.store import Stores
+from islands.storage.text import stdlib_files
 
 DATASET = "s3://islands-global/datasets/stdlib-bytes"
 
 
 def islands(env: dict, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "islands.flows.cli", *args], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -99,8 +99,8 @@ def test_a_run_trains_on_the_shards_for_three_rounds_in_two_regions(prepared, en
 
 @pytest.fixture
 def session_of(on_stack):
-    from flows.training_run import create_run
-    from tasks.train_phase import LearnerSession
+    from islands.flows.training_run import create_run
+    from islands.tasks.train_phase import LearnerSession
 
     opened = []
 
@@ -133,7 +133,7 @@ def session_of(on_stack):
 
 
 def test_a_restarted_learner_goes_on_from_its_saved_cursor_exactly(prepared, session_of):
-    from tasks.train_phase import train_phase
+    from islands.tasks.train_phase import train_phase
 
     open_learner, _ = session_of("shards-cursor", DATASET)
     first = open_learner()
@@ -149,7 +149,7 @@ def test_a_restarted_learner_goes_on_from_its_saved_cursor_exactly(prepared, ses
 
 
 def test_an_id_outside_the_models_vocabulary_fails_the_phase_naming_shard_and_offset(on_stack, session_of):
-    from tasks.train_phase import train_phase
+    from islands.tasks.train_phase import train_phase
 
     url = "s3://islands-global/datasets/bad-ids"
     fs = fsspec.filesystem("s3")

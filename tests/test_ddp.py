@@ -15,13 +15,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from storage import layout
-from storage.codec import decode
-from tasks.core.config import InnerSettings, RunConfig
-from tasks.core.data import BatchSampler
-from tasks.core.inner import InnerTrainer
-from tasks.core.model import build_model, params_of
-from tasks.ddp_phase import learner_trainer
+from islands.core.config import InnerSettings, RunConfig
+from islands.core.data import BatchSampler
+from islands.core.inner import InnerTrainer
+from islands.core.model import build_model, params_of
+from islands.storage import layout
+from islands.storage.codec import decode
+from islands.tasks.ddp_phase import learner_trainer
 
 STEPS = 3
 RUN = "ddp-learner-run"
@@ -48,7 +48,7 @@ def job(tmp_path: Path, config: RunConfig, launcher: list[str]) -> tuple[dict[st
     # gloo on the loopback interface only; one thread per rank on a shared machine.
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     args = ["--config", str(phase_dir / "run.json"), "--learner", "north-0", "--dir", str(phase_dir)]
-    cmd = [*launcher, "-m", "tasks.ddp_phase", *args, "--steps", str(STEPS)]
+    cmd = [*launcher, "-m", "islands.tasks.ddp_phase", *args, "--steps", str(STEPS)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     with safe_open(phase_dir / "delta.safetensors", "pt") as f:
@@ -105,9 +105,9 @@ def test_the_learner_deployment_trains_a_phase_as_a_two_process_torchrun_job(on_
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from flows.cli import wait_for_learner_deployment
-    from flows.training_run import create_run
-    from storage.store import Stores
+    from islands.flows.cli import wait_for_learner_deployment
+    from islands.flows.training_run import create_run
+    from islands.storage.store import Stores
 
     config = run_config(tmp_path / "corpus.txt", gpus_per_learner=2, inner_steps=STEPS, rounds=1)
     stores = Stores("s3://islands-{bucket}", config.regions)

@@ -18,7 +18,11 @@ BUDGET = 3 * 8 * 16 * 128  # three phases of 8 steps of 16 × 128 tokens
 
 def islands(env: dict, *args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args, "--json"], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "islands.flows.cli", *args, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from storage import layout
-from storage.manifest import Evaluation, Manifest, ObjectRef, Quorum
-from storage.rounds import read_evaluation, with_eval_losses
-from storage.store import IntegrityError, ObjectStore
-from tasks.evaluate import commit_evaluation
+from islands.storage import layout
+from islands.storage.manifest import Evaluation, Manifest, ObjectRef, Quorum
+from islands.storage.rounds import read_evaluation, with_eval_losses
+from islands.storage.store import IntegrityError, ObjectStore
+from islands.tasks.evaluate import commit_evaluation
 
 RUN = "run-eval"
 
@@ -65,9 +65,9 @@ def test_an_evaluation_gives_the_same_loss_twice_without_importing_torch_dynamo(
     script = """
 import sys
 import torch
-from tasks.core.config import RunConfig
-from tasks.evaluate import held_out_loss
-from tasks.core.model import build_model, params_of
+from islands.core.config import RunConfig
+from islands.tasks.evaluate import held_out_loss
+from islands.core.model import build_model, params_of
 config = RunConfig(run_id="eval-imports", regions=["north", "south"], eval_batches=1, speed={})
 theta = params_of(build_model(config.model, 0))
 first, again = held_out_loss(config, theta), held_out_loss(config, theta)

@@ -23,15 +23,15 @@ from prefect.client.schemas.filters import (
     TaskRunFilterName,
 )
 
-from flows.audit import audit_run
-from flows.outer_round import outer_round
-from infra.s3_server import client
-from storage import layout
+from islands.flows.outer_round import outer_round
+from islands.infra.s3_server import client
+from islands.ops.audit import audit_run
+from islands.storage import layout
 
 RUN = "race-run"
 SYNCHRONIZER = (
     "import json, sys\n"
-    "from flows.outer_round import outer_round\n"
+    "from islands.flows.outer_round import outer_round\n"
     "print(json.dumps(outer_round(run_id=sys.argv[1], round=1, store=sys.argv[2])))\n"
 )
 

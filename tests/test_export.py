@@ -9,14 +9,14 @@ import torch
 from hf_models import train_bpe, write_llama
 from safetensors.torch import load_file
 
-from flows.cli import main
-from storage import layout
-from storage.rounds import read_manifest
-from storage.store import Stores
-from storage.text import stdlib_files
-from tasks.core.config import RunConfig
-from tasks.core.model import build_model, params_of
-from tasks.publish import publish_initial
+from islands.core.config import RunConfig
+from islands.core.model import build_model, params_of
+from islands.flows.cli import main
+from islands.storage import layout
+from islands.storage.rounds import read_manifest
+from islands.storage.store import Stores
+from islands.storage.text import stdlib_files
+from islands.tasks.publish import publish_initial
 
 RUN = "export-run"
 

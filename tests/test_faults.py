@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from flows.chaos import Chaos, ChaosError, Stall
-from infra.s3_proxy import S3Proxy
-from storage import lease
-from storage.store import ObjectStore
-from tasks.crash import POINTS, CrashSpecError, crash_point, parse
+from islands.flows.chaos import Chaos, ChaosError, Stall
+from islands.infra.s3_proxy import S3Proxy
+from islands.storage import lease
+from islands.storage.store import ObjectStore
+from islands.tasks.crash import POINTS, CrashSpecError, crash_point, parse
 
 
 def test_crash_setting_parses_point_and_number():
@@ -33,7 +33,7 @@ def test_a_bad_crash_setting_names_the_valid_points(spec):
 
 
 def test_crash_point_kills_its_own_process_with_sigkill_only_where_armed():
-    code = "from tasks.crash import crash_point as c; c('collect.done', 1); c('collect.done', 2); print('survived')"
+    code = "from islands.tasks.crash import crash_point as c; c('collect.done', 1); c('collect.done', 2); print('survived')"
     env = {**os.environ, "ISLANDS_CRASH": "collect.done@2"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout
@@ -76,11 +76,11 @@ def test_a_bad_chaos_spec_names_the_bad_part(spec, names):
 
 
 def test_a_region_killed_then_restarted_is_away_in_between_and_killed_once(monkeypatch):
-    import flows.learner_runs
+    import islands.flows.learner_runs
 
     killed = []
     monkeypatch.setattr(
-        flows.learner_runs, "kill_learners", lambda run, region: killed.append(region) or [f"learner-{region}-0"]
+        islands.flows.learner_runs, "kill_learners", lambda run, region: killed.append(region) or [f"learner-{region}-0"]
     )
     monkeypatch.setattr(Chaos, "_note", lambda self, line: self.log.append(line))
     chaos = Chaos.parse(["kill:west@round2,restart:west@round4"])
@@ -172,7 +172,7 @@ def test_the_proxy_holds_traffic_while_paused_and_lets_it_through_after():
 
 def test_checking_faults_imports_no_prefect_before_the_stack_settings_exist():
     code = (
-        "import sys, flows.cli as c; "
+        "import sys, islands.flows.cli as c; "
         "assert c.check_faults(c.RunConfig(), ['kill:eu-west@round2,stall:s3@1s+1s']) is None; "
         "assert 'prefect' not in sys.modules, 'Prefect would read its settings before the stack sets them'"
     )

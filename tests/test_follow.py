@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from tasks.follow import RoundFollower
+from islands.tasks.follow import RoundFollower
 
 
 def test_follows_new_rounds_and_survives_a_failed_poll():

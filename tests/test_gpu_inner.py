@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.core.config import ConfigError, InnerSettings, load_config
-from tasks.core.data import BatchSampler
-from tasks.core.inner import InnerTrainer, OutOfMemory, blocks
-from tasks.core.model import MLP, build_model, params_of
+from islands.core.config import ConfigError, InnerSettings, load_config
+from islands.core.data import BatchSampler
+from islands.core.inner import InnerTrainer, OutOfMemory, blocks
+from islands.core.model import MLP, build_model, params_of
 
 DATA = bytes((i * 7 + i // 13) % 256 for i in range(8192))
 STEPS = 3

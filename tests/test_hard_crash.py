@@ -16,7 +16,7 @@ from pathlib import Path
 
 import boto3
 
-from infra.process import port_open
+from islands.infra.process import port_open
 
 RUN = "hard-crash"
 ROUNDS = 4
@@ -31,7 +31,11 @@ def own_env(home: Path) -> dict[str, str]:
 
 def islands(env: dict, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "islands.flows.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -20,8 +20,8 @@ from conftest import STACK_REGIONS
 from hf_models import train_bpe, write_llama
 from safetensors.torch import save_file
 
-from storage.text import stdlib_files
-from tasks.round_state import held_out_batches
+from islands.storage.text import stdlib_files
+from islands.tasks.round_state import held_out_batches
 
 TESTS = Path(__file__).parent
 ROUNDS, BATCH, EVAL_BATCHES = 3, 4, 2
@@ -33,7 +33,7 @@ ALONE = """
 import json, sys
 sys.path[:] = [p for p in sys.path if "site-packages" not in p] + [sys.argv[1]] + sys.argv[4:]
 import importlib.util
-assert importlib.util.find_spec("tasks") is None and importlib.util.find_spec("flows") is None
+assert importlib.util.find_spec("islands") is None
 import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
@@ -66,7 +66,7 @@ print(json.dumps({"loss": sum(losses) / n, "text": text, "new_tokens": new}))
 
 def islands(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "islands.flows.cli", *args], env=env, capture_output=True, text=True, timeout=600
     )
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -10,11 +10,10 @@ import pytest
 import torch
 from hf_models import write_llama
 
-from storage.codec import decode_state, encode_state
-from tasks.core.config import InnerSettings
-from tasks.core.data import BatchSampler
-from tasks.core.inner import InnerTrainer
-from tasks.core.model import (
+from islands.core.config import InnerSettings
+from islands.core.data import BatchSampler
+from islands.core.inner import InnerTrainer
+from islands.core.model import (
     ModelError,
     assign_params,
     build_model,
@@ -25,6 +24,7 @@ from tasks.core.model import (
     spec_vocab_and_context,
     vocab_and_context,
 )
+from islands.storage.codec import decode_state, encode_state
 
 TESTS = Path(__file__).parent
 
@@ -123,7 +123,7 @@ def test_a_config_that_does_not_parse_is_refused(tmp_path):
 def test_the_cli_refuses_a_bad_model_before_writing_anything(model, tmp_path):
     store = tmp_path / "store"
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--model", model, "--store", f"file://{store}/{{bucket}}"],
+        [sys.executable, "-m", "islands.flows.cli", "run", "--model", model, "--store", f"file://{store}/{{bucket}}"],
         capture_output=True,
         text=True,
         env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},

@@ -22,17 +22,17 @@ from fake_learner import TEMPLATE, delta_bytes, metadata, new_run, pseudo_gradie
 from prefect.logging import disable_run_logger
 from safetensors.torch import save as st_save
 
-from flows.audit import audit_run
-from flows.outer_round import outer_round
-from storage import layout
-from storage.codec import canonical, encode
-from storage.rounds import read_chain, read_manifest
-from storage.store import Stores
-from tasks.collect import collect
-from tasks.core.model import build_model
-from tasks.merge_step import merge
-from tasks.round_state import RoundState
-from tasks.train_phase import phase_after
+from islands.core.model import build_model
+from islands.flows.outer_round import outer_round
+from islands.ops.audit import audit_run
+from islands.storage import layout
+from islands.storage.codec import canonical, encode
+from islands.storage.rounds import read_chain, read_manifest
+from islands.storage.store import Stores
+from islands.tasks.collect import collect
+from islands.tasks.merge_step import merge
+from islands.tasks.round_state import RoundState
+from islands.tasks.train_phase import phase_after
 
 
 def hostile_deltas(run: str, learner: str, region: str, params: dict[str, torch.Tensor], n: int):
@@ -145,7 +145,10 @@ def test_a_round_of_hostile_deltas_finishes_when_retried_after_a_crash(on_stack)
     assert stores.region("south").put_if_absent(north_key, b"\0" * 100)
     env = {**os.environ, "ISLANDS_CRASH": "publish.after_model@1"}
     first = subprocess.run(
-        [sys.executable, "-m", "flows.outer_round", run, "1", TEMPLATE], env=env, capture_output=True, timeout=300
+        [sys.executable, "-m", "islands.flows.outer_round", run, "1", TEMPLATE],
+        env=env,
+        capture_output=True,
+        timeout=300,
     )
     assert first.returncode == -9, first.stderr[-3000:]
     assert not stores.global_.exists(layout.manifest_key(run, 1))
@@ -199,7 +202,7 @@ def test_a_run_keeps_publishing_while_a_region_receives_hostile_deltas(on_stack)
             [
                 sys.executable,
                 "-m",
-                "flows.cli",
+                "islands.flows.cli",
                 *run_args(run, STACK_REGIONS, ROUNDS),
                 "--json",
             ],

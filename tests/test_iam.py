@@ -22,11 +22,11 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.iam import policy
-from infra.process import free_port, http_status, spawn, stop_group, wait_ready
-from storage import layout
-from storage.probe import check_create_only
-from storage.store import ObjectStore
+from islands.infra.iam import policy
+from islands.infra.process import free_port, http_status, spawn, stop_group, wait_ready
+from islands.storage import layout
+from islands.storage.probe import check_create_only
+from islands.storage.store import ObjectStore
 
 RUN = "iam-run"
 TEMPLATE = "s3://iam-{bucket}"

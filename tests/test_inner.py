@@ -4,10 +4,10 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from tasks.core.config import InnerSettings
-from tasks.core.data import BatchSampler
-from tasks.core.inner import InnerTrainer, carried, lr_at
-from tasks.core.model import build_model
+from islands.core.config import InnerSettings
+from islands.core.data import BatchSampler
+from islands.core.inner import InnerTrainer, carried, lr_at
+from islands.core.model import build_model
 
 DATA = bytes((i * 7 + i // 13) % 256 for i in range(8192))
 CFG = InnerSettings(lr=1e-3, warmup_steps=2, total_steps=20)

@@ -9,8 +9,8 @@ import torch
 
 from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, sync_diloco, train_data_parallel
-from tasks.core.config import MergeSettings
-from tasks.core.model import build_model
+from islands.core.config import MergeSettings
+from islands.core.model import build_model
 
 RULE = MergeSettings(outer_lr=0.7, outer_momentum=0.9)
 BUDGET = Budget(learners=3, steps=4, warmup=1)  # three: the workers hold unequal shares (0, 2 and 1)

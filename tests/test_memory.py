@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from storage.shards import CHUNK_BYTES, Dataset, ShardEntry, TokenizerRef
+from islands.storage.shards import CHUNK_BYTES, Dataset, ShardEntry, TokenizerRef
 
 SHARDS, SHARD_BYTES = 17, 128 << 20  # 16 for training (2 GiB), the last held out
 BOUND = 128 << 20  # the read-ahead (two chunks as int32 plus one being read) and allocator slack
@@ -18,11 +18,11 @@ BOUND = 128 << 20  # the read-ahead (two chunks as int32 plus one being read) an
 LEARNER = r"""
 import json, sys
 import torch
-from storage.corpus import training_part
-from tasks.core.config import InnerSettings
-from tasks.core.data import BatchSampler, Stream, assign
-from tasks.core.inner import InnerTrainer
-from tasks.core.model import build_model, params_of, vocab_and_context
+from islands.storage.corpus import training_part
+from islands.core.config import InnerSettings
+from islands.core.data import BatchSampler, Stream, assign
+from islands.core.inner import InnerTrainer
+from islands.core.model import build_model, params_of, vocab_and_context
 
 corpus = sys.argv[1]
 torch.set_num_threads(1)

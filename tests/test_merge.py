@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from tasks.core.config import MergeSettings
-from tasks.core.merge import Candidate, Dropped, Weighted, outer_step, plan_merge, weighted_average
+from islands.core.config import MergeSettings
+from islands.core.merge import Candidate, Dropped, Weighted, outer_step, plan_merge, weighted_average
 
 RULE = MergeSettings(outer_lr=0.5, outer_momentum=0.9, staleness_lambda=0.5, max_staleness=4, token_cap=2.0)
 A = Candidate("a", phase=3, base_round=10, tokens=1000)  # fresh

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tasks.core.model import GPT, PRESETS, GPTConfig, autocast_context, build_model
+from islands.core.model import GPT, PRESETS, GPTConfig, autocast_context, build_model
 
 
 def test_preset_param_counts():

@@ -18,19 +18,19 @@ import pytest
 import torch
 from botocore.exceptions import ClientError
 
-import storage.s3 as s3_module
-from flows.audit import audit_run
-from infra.s3_server import create_buckets, lock_enabled
-from storage import layout
-from storage.codec import encode_state_object
-from storage.encoded import EncodedObject
-from storage.rounds import checkpoint_metadata, update_metadata
-from storage.store import ObjectStore, StoreError, Stores, sha256_hex
-from tasks.core.config import ConfigError, RunConfig, load_config
-from tasks.core.model import build_model
-from tasks.merge_step import Merged
-from tasks.publish import publish_initial, write_objects
-from tasks.round_state import RoundState
+import islands.storage.s3 as s3_module
+from islands.core.config import ConfigError, RunConfig, load_config
+from islands.core.model import build_model
+from islands.infra.s3_server import create_buckets, lock_enabled
+from islands.ops.audit import audit_run
+from islands.storage import layout
+from islands.storage.codec import encode_state_object
+from islands.storage.encoded import EncodedObject
+from islands.storage.rounds import checkpoint_metadata, update_metadata
+from islands.storage.store import ObjectStore, StoreError, Stores, sha256_hex
+from islands.tasks.merge_step import Merged
+from islands.tasks.publish import publish_initial, write_objects
+from islands.tasks.round_state import RoundState
 
 DAYS = 2
 

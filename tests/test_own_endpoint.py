@@ -20,8 +20,8 @@ from pathlib import Path
 import boto3
 from served_stack import Api, islands
 
-from infra.process import stop_group
-from infra.seaweed import SeaweedServer
+from islands.infra.process import stop_group
+from islands.infra.seaweed import SeaweedServer
 
 USER_KEYS = {"AWS_ACCESS_KEY_ID": "acme-user", "AWS_SECRET_ACCESS_KEY": "acme-secret-key"}
 REGIONS = ["north", "south"]
@@ -64,7 +64,7 @@ def test_islands_up_with_its_api_exported_serves_runs_started_from_the_prefect_c
     config = tmp_path / "tiny.toml"
     config.write_text('regions = ["solo"]\nrounds = 1\ninner_steps = 4\neval_batches = 2\n[quorum]\nmin_quorum = 1\n')
     up = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "up", "--regions", "solo"],
+        [sys.executable, "-m", "islands.flows.cli", "up", "--regions", "solo"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -80,7 +80,7 @@ def test_islands_up_with_its_api_exported_serves_runs_started_from_the_prefect_c
         exported = {**env, "PREFECT_API_URL": api_url}
         with open(tmp_path / "serve.log", "ab") as log:
             serve = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "serve", "--config", str(config)],
+                [sys.executable, "-m", "islands.flows.cli", "serve", "--config", str(config)],
                 env=exported,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tasks.core.pace import phase_steps
+from islands.core.pace import phase_steps
 
 
 def test_h_while_rates_are_unknown():

@@ -30,7 +30,7 @@ def finished_run(islands_stack):
     cmd = [
         sys.executable,
         "-m",
-        "flows.cli",
+        "islands.flows.cli",
         *run_args("e2e-run", REGIONS, ROUNDS),
         "--speed",
         "south=0.33",

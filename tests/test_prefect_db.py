@@ -9,8 +9,8 @@ from contextlib import closing
 import pytest
 from served_stack import Api
 
-from infra import prefect_db
-from infra.prefect_server import PrefectServer
+from islands.infra import prefect_db
+from islands.infra.prefect_server import PrefectServer
 
 
 def make_db(path, rows=()):

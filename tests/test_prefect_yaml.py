@@ -1,4 +1,4 @@
-"""infra/prefect.yaml applied with Prefect's own CLI (infra/apply.sh) against a local Prefect server:
+"""islands/infra/prefect.yaml applied with Prefect's own CLI (islands/infra/apply.sh) against a local Prefect server:
 its work pools and deployments exist; the Kubernetes job template has the shape Prefect's
 Kubernetes worker expects."""
 
@@ -16,9 +16,9 @@ import pytest
 import yaml
 from served_stack import Api
 
-from infra.prefect_server import PrefectServer
+from islands.infra.prefect_server import PrefectServer
 
-INFRA = Path(__file__).resolve().parent.parent / "infra"
+INFRA = Path(__file__).resolve().parent.parent / "islands" / "infra"
 TEMPLATE = INFRA / "k8s" / "base-job-template.json"
 
 

@@ -4,7 +4,7 @@ accepts, with its default, values and help text, and nothing else."""
 import re
 from pathlib import Path
 
-from tasks.core.config import REFERENCE_BEGIN, REFERENCE_END, RunConfig, load_config, reference_table, with_reference
+from islands.core.config import REFERENCE_BEGIN, REFERENCE_END, RunConfig, load_config, reference_table, with_reference
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -30,7 +30,7 @@ def test_config_reference_is_the_generated_one():
     section = text[text.index(REFERENCE_BEGIN) + len(REFERENCE_BEGIN) : text.index(REFERENCE_END)]
     assert section.strip("\n") == reference_table(), (
         "README.md's configuration reference is not RunConfig's; regenerate it with "
-        "`.venv/bin/python -m tasks.core.config --write README.md`"
+        "`.venv/bin/python -m islands.core.config --write README.md`"
     )
 
 

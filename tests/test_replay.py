@@ -9,8 +9,8 @@ import torch
 from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, sync_diloco
 from benchmarks.replay import Schedule, replay
-from tasks.core.config import MergeSettings
-from tasks.core.model import build_model, params_of
+from islands.core.config import MergeSettings
+from islands.core.model import build_model, params_of
 
 RULE = MergeSettings(outer_lr=0.7, outer_momentum=0.9)
 BUDGET = Budget(steps=4, warmup=1)

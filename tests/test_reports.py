@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from flows.status import newest_delta
-from flows.training_run import bytes_by_region
-from storage import layout
-from storage.codec import encode
-from storage.rounds import reported_metadata
-from storage.store import Stores
-from tasks.core.config import RunConfig
+from islands.core.config import RunConfig
+from islands.flows.training_run import bytes_by_region
+from islands.ops.status import newest_delta
+from islands.storage import layout
+from islands.storage.codec import encode
+from islands.storage.rounds import reported_metadata
+from islands.storage.store import Stores
 
 RUN = "report-run"
 

@@ -17,16 +17,16 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Scheduled
 
-from flows.audit import audit_run
-from flows.cli import wait_for_learner_deployment
-from infra.process import stop_group
-from storage import layout
-from storage.rounds import read_manifest
+from islands.flows.cli import wait_for_learner_deployment
+from islands.infra.process import stop_group
+from islands.ops.audit import audit_run
+from islands.storage import layout
+from islands.storage.rounds import read_manifest
 
 RUN = "retry-run"
 DEPLOYMENT = "outer-round/retry-test"
 RUNNER = (
-    "from flows.outer_round import outer_round\nouter_round.serve(name='retry-test', print_starting_message=False)\n"
+    "from islands.flows.outer_round import outer_round\nouter_round.serve(name='retry-test', print_starting_message=False)\n"
 )
 
 

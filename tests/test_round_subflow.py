@@ -2,7 +2,7 @@
 
 from prefect.settings import get_current_settings
 
-from flows import training_run
+from islands.flows import training_run
 
 
 def test_a_round_subflow_sends_no_heartbeat_of_its_own_and_the_driver_keeps_its_own(monkeypatch):

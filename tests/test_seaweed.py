@@ -18,11 +18,11 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.process import pid_alive, reap
-from infra.s3_server import CREDENTIALS, create_buckets
-from infra.seaweed import SeaweedServer
-from storage.probe import check_create_only
-from storage.store import ObjectStore
+from islands.infra.process import pid_alive, reap
+from islands.infra.s3_server import CREDENTIALS, create_buckets
+from islands.infra.seaweed import SeaweedServer
+from islands.storage.probe import check_create_only
+from islands.storage.store import ObjectStore
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_object_lock_keeps_a_version_under_compliance_retention(weed):
 PARENT = """
 import sys, time
 from pathlib import Path
-from infra.process import spawn
+from islands.infra.process import spawn
 child = spawn([sys.executable, "-c", "import time; time.sleep(600)"], {}, Path(sys.argv[1]))
 print(child.pid, flush=True)
 time.sleep(600)

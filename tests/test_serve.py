@@ -134,7 +134,7 @@ import sys
 
 
 def imported(queue):
-    queue.put(sorted(m for m in ("torch", "prefect", "flows.training_run") if m in sys.modules))
+    queue.put(sorted(m for m in ("torch", "prefect", "islands.flows.training_run") if m in sys.modules))
 """
 
 FORKS = """
@@ -143,13 +143,13 @@ import inspect
 import cloudpickle
 import prefect.flow_engine
 
-from tasks.core.config import RunConfig
-from flows.serve import fork_flow_runs
-from flows.training_run import training_run
+from islands.core.config import RunConfig
+from islands.flows.serve import fork_flow_runs
+from islands.flows.training_run import training_run
 from probe import imported
 
 print('multiprocessing.get_context("spawn")' in inspect.getsource(prefect.flow_engine.run_flow_in_subprocess))
-fork_flow_runs(["flows.training_run"])
+fork_flow_runs(["islands.flows.training_run"])
 context = prefect.flow_engine.multiprocessing.get_context("spawn")
 queue = context.SimpleQueue()
 child = context.Process(target=imported, args=(queue,))
@@ -175,7 +175,7 @@ def test_served_flow_runs_are_forks_of_a_process_that_imported_the_flows(tmp_pat
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["True", "['flows.training_run', 'prefect', 'torch']", "True RunConfig"]
+    assert out.stdout.splitlines() == ["True", "['islands.flows.training_run', 'prefect', 'torch']", "True RunConfig"]
 
 
 FIRST_STEP = """
@@ -183,16 +183,16 @@ import importlib
 import os
 import sys
 
-from flows.serve import PRELOAD
+from islands.flows.serve import PRELOAD
 
 for name in PRELOAD:
     importlib.import_module(name)
 before = set(sys.modules)
-from tasks.core.data import BatchSampler
-from tasks.core.config import InnerSettings
-from tasks.core.inner import InnerTrainer
-from tasks.core.model import build_model
-from storage.store import Stores
+from islands.core.data import BatchSampler
+from islands.core.config import InnerSettings
+from islands.core.inner import InnerTrainer
+from islands.core.model import build_model
+from islands.storage.store import Stores
 
 Stores("s3://islands-{bucket}", ["north"])  # what a learner opens first: fsspec imports s3fs for it
 model = build_model("tiny", 0)

@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers_for_tests import sample_texts, train_bpe
 
-from storage.corpus import check_corpus, held_out_part, open_corpus, training_part
-from storage.prepare import groups, prepare
-from storage.shards import MANIFEST, Shards
-from storage.text import CorpusError
-from storage.tokenizer import load_tokenizer
-from tasks.core.data import BatchSampler, Segment, Stream, TokenRangeError, assign
+from islands.core.data import BatchSampler, Segment, Stream, TokenRangeError, assign
+from islands.storage.corpus import check_corpus, held_out_part, open_corpus, training_part
+from islands.storage.prepare import groups, prepare
+from islands.storage.shards import MANIFEST, Shards
+from islands.storage.text import CorpusError
+from islands.storage.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

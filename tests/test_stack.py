@@ -12,9 +12,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from infra.process import http_status, port_open
-from infra.s3_server import client
-from infra.stack import LocalStack, find_running, stack_env
+from islands.infra.process import http_status, port_open
+from islands.infra.s3_server import client
+from islands.infra.stack import LocalStack, find_running, stack_env
 
 BUCKETS = ["islands-global", "islands-region-a"]
 

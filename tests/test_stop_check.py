@@ -1,11 +1,11 @@
 """A learner asks storage whether to stop on its training thread, before every step and every
 phase; the asks are rate-limited so they cost two requests every few seconds, not every step."""
 
-from storage import layout
-from storage.store import Stores
-from tasks import train_phase
-from tasks.core.config import RunConfig
-from tasks.train_phase import STOP_CHECK_S, LearnerSession
+from islands.core.config import RunConfig
+from islands.storage import layout
+from islands.storage.store import Stores
+from islands.tasks import train_phase
+from islands.tasks.train_phase import STOP_CHECK_S, LearnerSession
 
 RUN = "stop-check-run"
 

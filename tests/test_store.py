@@ -14,14 +14,14 @@ import s3fs
 import torch
 from botocore.exceptions import ResponseStreamingError
 
-import storage.encoded as encoded_module
-import storage.s3 as s3_module
-import storage.store as store_module
-from storage import layout
-from storage.encoded import EncodedObject
-from storage.rounds import newest_round_from
-from storage.spool import spool
-from storage.store import (
+import islands.storage.encoded as encoded_module
+import islands.storage.s3 as s3_module
+import islands.storage.store as store_module
+from islands.storage import layout
+from islands.storage.encoded import EncodedObject
+from islands.storage.rounds import newest_round_from
+from islands.storage.spool import spool
+from islands.storage.store import (
     IntegrityError,
     ObjectMissing,
     ObjectStore,

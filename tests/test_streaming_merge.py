@@ -13,20 +13,20 @@ import weakref
 
 import torch
 
-from storage import layout
-from storage.codec import TensorFile, decode, encode, encode_state, encode_wire
-from storage.manifest import Excluded
-from storage.rounds import checkpoint_metadata, get_tensors, put_tensors, update_metadata
-from storage.spool import remove_dead
-from storage.store import Stores, sha256_hex
-from tasks.collect import Arrival, inspect, inspect_all
-from tasks.core.compress import residual_state, to_wire
-from tasks.core.config import RunConfig
-from tasks.core.merge import encode_update, merge_round
-from tasks.core.model import build_model
-from tasks.merge_step import Merged, apply_merge
-from tasks.publish import write_objects
-from tasks.round_state import RoundState
+from islands.core.compress import residual_state, to_wire
+from islands.core.config import RunConfig
+from islands.core.merge import encode_update, merge_round
+from islands.core.model import build_model
+from islands.storage import layout
+from islands.storage.codec import TensorFile, decode, encode, encode_state, encode_wire
+from islands.storage.manifest import Excluded
+from islands.storage.rounds import checkpoint_metadata, get_tensors, put_tensors, update_metadata
+from islands.storage.spool import remove_dead
+from islands.storage.store import Stores, sha256_hex
+from islands.tasks.collect import Arrival, inspect, inspect_all
+from islands.tasks.merge_step import Merged, apply_merge
+from islands.tasks.publish import write_objects
+from islands.tasks.round_state import RoundState
 
 RUN = "stream"
 REGIONS = ["east", "west"]

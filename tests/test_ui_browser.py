@@ -21,7 +21,7 @@ import pytest
 from playwright.sync_api import Locator, Page, expect, sync_playwright
 from served_stack import islands, served_stack
 
-from infra.s3_server import client
+from islands.infra.s3_server import client
 
 CHROMIUM = Path("/usr/bin/chromium")
 # The background-networking, component-update and sync flags keep Chromium from calling home,
@@ -113,7 +113,7 @@ def watching(served, tmp_path_factory):
     log = tmp_path_factory.mktemp("watch") / "stderr.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "status", RUN, "--json", "--watch", "1"],
+            [sys.executable, "-m", "islands.flows.cli", "status", RUN, "--json", "--watch", "1"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=err,

@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from storage import layout
-from storage.cache import regional_get
-from storage.codec import decode, decode_state, encode_state, encode_wire
-from storage.manifest import Manifest, ObjectRef
-from storage.rounds import checkpoint_metadata
-from storage.store import ObjectStore, sha256_hex
-from tasks.core.compress import CODECS, residual_state, split_residual
-from tasks.core.merge import apply_update, encode_update, outer_step
+from islands.core.compress import CODECS, residual_state, split_residual
+from islands.core.merge import apply_update, encode_update, outer_step
+from islands.storage import layout
+from islands.storage.cache import regional_get
+from islands.storage.codec import decode, decode_state, encode_state, encode_wire
+from islands.storage.manifest import Manifest, ObjectRef
+from islands.storage.rounds import checkpoint_metadata
+from islands.storage.store import ObjectStore, sha256_hex
 
 RUN = "run-down"
 ROUNDS = 6

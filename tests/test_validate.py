@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from storage import layout
-from tasks.core.validate import (
+from islands.core.validate import (
     MAX_REASON,
     METADATA,
     REQUIRED_METADATA,
@@ -23,6 +22,7 @@ from tasks.core.validate import (
     read_field,
     short,
 )
+from islands.storage import layout
 
 RUN, LEARNER, REGION, PHASE, ROUND, H, PER_STEP = "run-abc", "us-east-0", "us-east", 4, 7, 50, 2048
 EXPECTED = Expected(RUN, LEARNER, REGION, PHASE, ROUND, H, PER_STEP)

@@ -4,8 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from flows.cli import main
-from tasks.core.plan import (
+from islands.core.plan import (
     PAPER_DILOCO_GBPS,
     PAPER_DP_GBPS,
     Workload,
@@ -17,6 +16,7 @@ from tasks.core.plan import (
     streamed,
     transfer_s,
 )
+from islands.flows.cli import main
 
 
 def test_one_trillion_parameters_take_about_8000_seconds_over_2_gbps():

@@ -8,15 +8,15 @@ from __future__ import annotations
 import torch
 from fake_learner import delta_bytes, new_run, put
 
-from flows import audit
-from flows.audit import audit_run
-from flows.outer_round import outer_round
-from storage import layout
-from storage.codec import encode_state, packed
-from storage.rounds import checkpoint_metadata, read_manifest
-from storage.store import sha256_hex
-from tasks.core import compress
-from tasks.train_phase import HeldRound, LearnerSession, Way
+from islands.core import compress
+from islands.ops import audit
+from islands.flows.outer_round import outer_round
+from islands.ops.audit import audit_run
+from islands.storage import layout
+from islands.storage.codec import encode_state, packed
+from islands.storage.rounds import checkpoint_metadata, read_manifest
+from islands.storage.store import sha256_hex
+from islands.tasks.train_phase import HeldRound, LearnerSession, Way
 
 RUN = "way-down-run"
 
@@ -59,7 +59,7 @@ def test_learners_reach_the_next_round_from_the_update_through_the_regional_cach
 
     theta1, way, from_global, _ = reads(first, 1)
     assert way == Way("updates", 1) and round1.update.bytes <= from_global < round1.model.bytes
-    # Each contribution's tokens per second, which paced phases scale H by (tasks.core.pace).
+    # Each contribution's tokens per second, which paced phases scale H by (islands.core.pace).
     assert held(first)[1].rates == {c.learner: c.tokens / c.seconds for c in round1.contributions}
     assert set(held(first)[1].rates) == {"north-0", "south-0"}
     assert stores.region("north").exists(layout.cache_key(RUN, round1.update.key))
@@ -125,7 +125,7 @@ def test_a_phase_starts_from_the_learners_own_weights_and_no_earlier_in_the_sche
     """Carry: with no newer round, phase 1 goes on from where phase 0 ended (θ_0 − δ_0), not from
     θ_0; once round 1 has merged δ_0, the learner stands on θ_1 plus only its unmerged δ_1. A
     learner that starts late begins at the run's average step of the learning-rate schedule."""
-    from tasks.train_phase import train_phase
+    from islands.tasks.train_phase import train_phase
 
     run = RUN + "-carry"
     config, stores = new_run(run)

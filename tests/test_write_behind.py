@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tasks.write_behind import WriteBehind
+from islands.tasks.write_behind import WriteBehind
 
 
 def test_uploads_run_in_submission_order_while_the_caller_goes_on():

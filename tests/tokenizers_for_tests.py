@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storage.text import stdlib_files
+from islands.storage.text import stdlib_files
 
 
 def sample_texts(n: int = 6) -> list[str]:

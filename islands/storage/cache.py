@@ -1,0 +1,61 @@
+"""A region's copy of the global bucket's round objects, so that each crosses regions once.
+
+Learners read a checkpoint or an update through their region's bucket: the copy sits under the
+same round and content address (`layout.cache_key`), is written put-if-absent and is used only
+once its sha256 matches the manifest's. Learners of one region tend to miss together (they all
+see a new round at once), so the first one claims the fetch with a small put-if-absent marker
+and the others wait for its copy; they fetch the original themselves only if no copy appears
+within CLAIM_WAIT_S (the claimer died), and a damaged copy is replaced from the original.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from islands.storage import layout
+from islands.storage.manifest import ObjectRef
+from islands.storage.store import IntegrityError, ObjectMissing, ObjectStore
+
+CLAIM_WAIT_S = 60.0
+POLL_S = 0.25
+
+
+def regional_get(
+    region: ObjectStore,
+    global_: ObjectStore,
+    run: str,
+    ref: ObjectRef,
+    owner: str,
+    wait_s: float = CLAIM_WAIT_S,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bytes:
+    """The bytes `ref` names, from the region's copy; the region's first reader makes the copy."""
+    key = layout.cache_key(run, ref.key)
+    try:
+        return region.get(key, sha256=ref.sha256)
+    except ObjectMissing:
+        pass
+    except IntegrityError:
+        region.delete(key)  # damaged in storage: garbage; copied again below
+        return _copy(region, global_, key, ref)
+    claim = json.dumps({"owner": owner, "at": time.time()}).encode()
+    if region.put_if_absent(layout.claim_key(key), claim):
+        return _copy(region, global_, key, ref)
+    waited = 0.0
+    while waited < wait_s:
+        sleep(POLL_S)
+        waited += POLL_S
+        if region.exists(key):
+            try:
+                return region.get(key, sha256=ref.sha256)
+            except IntegrityError:
+                break
+    return _copy(region, global_, key, ref)
+
+
+def _copy(region: ObjectStore, global_: ObjectStore, key: str, ref: ObjectRef) -> bytes:
+    data = global_.get(ref.key, sha256=ref.sha256)
+    region.put_if_absent(key, data)
+    return data

@@ -1,0 +1,316 @@
+"""Tensors on the wire: safetensors with string metadata, never pickle.
+
+Codecs: fp32, bf16, and int8/int4/int3/int2 with per-block scales (islands.core.compress defines the wire form).
+Whatever the codec, `decode` returns float32 tensors under the original names, so validation
+and the merge never see the codec.
+
+Untrusted bytes (a delta from a learner) are checked before safetensors parses them: the
+8-byte header length must fit inside the object and under a cap, the header must be JSON naming
+only known dtypes, and every tensor's byte range must lie inside the object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+# safetensors' save imports numpy.ctypeslib lazily, on its first call, whichever thread makes it;
+# once (a merge resumed after a crash, threads of the round about) that import found the module
+# half made and numpy's lazy attribute lookup recursed until RecursionError. Imported with the
+# codec, it is whole before anything saves.
+import numpy.ctypeslib  # noqa: F401
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from islands.core.compress import CODECS, decode_one, from_wire, packed_wire, to_wire, wire_plan
+from islands.storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
+from islands.storage.spool import punch_holes
+
+MAX_HEADER_BYTES = 16 * 2**20
+BODY_SHA256 = "body_sha256"
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT_DTYPES = {"F64", "F32", "BF16", "F16"}
+
+
+class CodecError(ValueError):
+    """The bytes are not a well-formed safetensors object of ours; the message says why."""
+
+
+def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: str = "fp32") -> bytes:
+    """Serialize float tensors in the codec's wire form; other dtypes travel unchanged."""
+    return encode_wire(to_wire(tensors, codec), metadata, codec)
+
+
+def encode_wire(wire: dict[str, torch.Tensor], metadata: dict[str, str], codec: str) -> bytes:
+    """Serialize tensors already in `codec`'s wire form (error feedback makes them itself)."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    meta = {k: str(v) for k, v in metadata.items()}
+    meta["codec"] = codec
+    return canonical(st_save(wire, metadata=meta))
+
+
+def canonical(data: bytes) -> bytes:
+    """The same tensors and metadata always give the same bytes (and so the same sha256).
+
+    safetensors writes metadata entries in hash-map order, which changes from call to call;
+    content-addressed checkpoints and bit-for-bit replays need one spelling. The header is
+    re-written with sorted metadata, compact separators and the format's 8-byte space padding.
+    It also records the sha256 of the tensor bytes, so a flipped bit in the data is caught on read
+    even where a learner's delta has no other checksum.
+    """
+    (n,) = struct.unpack("<Q", data[:8])
+    return canonical_header(data[8 : 8 + n], hashlib.sha256(memoryview(data)[8 + n :]).hexdigest()) + data[8 + n :]
+
+
+def canonical_header(header_json: bytes, body_sha256: str) -> bytes:
+    """The length prefix and canonical header that `canonical` puts before the tensor bytes."""
+    header = json.loads(header_json)
+    meta = header.pop("__metadata__", None) or {}
+    meta[BODY_SHA256] = body_sha256
+    ordered = {"__metadata__": dict(sorted(meta.items()))} | header
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict[str, str]]:
+    """Validate the safetensors header and return (tensor table, metadata) without loading.
+
+    `data` is the whole object, or only its first bytes when `object_size` gives the full size.
+    """
+    size = len(data) if object_size is None else object_size
+    if len(data) < 8:
+        raise CodecError(f"truncated: {len(data)} bytes, not even a header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CodecError(f"oversized header: {n} bytes > {MAX_HEADER_BYTES}")
+    if 8 + n > size:
+        raise CodecError(f"header length {n} larger than the object ({size} bytes)")
+    if 8 + n > len(data):
+        raise CodecError(f"truncated: header needs {8 + n} bytes, got {len(data)}")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CodecError(f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CodecError("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CodecError("metadata must map strings to strings")
+    body = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            if not isinstance(dtype, str) or not isinstance(shape, list):
+                raise TypeError("dtype must be a string and shape a list")
+            numel = 1
+            for d in shape:
+                if not isinstance(d, int) or d < 0:
+                    raise ValueError(f"bad dimension {d!r}")
+                numel *= d
+            if not isinstance(start, int) or not isinstance(end, int):
+                raise TypeError("data_offsets must be integers")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CodecError(f"tensor {name!r}: malformed entry ({exc})") from exc
+        if dtype not in _DTYPE_BYTES:
+            raise CodecError(f"tensor {name!r}: unsupported dtype {dtype}")
+        if not (0 <= start <= end <= body) or end - start != numel * _DTYPE_BYTES[dtype]:
+            raise CodecError(f"tensor {name!r}: byte range {start}..{end} does not fit the object")
+    return header, metadata
+
+
+def check_body(data: bytes, metadata: dict[str, str]) -> None:
+    """The tensor bytes must match the sha256 the writer recorded (when it recorded one)."""
+    if BODY_SHA256 in metadata:
+        (n,) = struct.unpack("<Q", data[:8])
+        check_body_sha256(metadata, hashlib.sha256(memoryview(data)[8 + n :]).hexdigest())
+
+
+def check_body_sha256(metadata: dict[str, str], body_sha256: str) -> None:
+    expected = metadata.get(BODY_SHA256)
+    if expected is not None and body_sha256 != expected:
+        raise CodecError("tensor bytes do not match the body_sha256 in the header (corrupted in storage or transit)")
+
+
+def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse checked bytes; floating tensors come back as float32 under their own names."""
+    _, metadata = read_header(data)
+    check_body(data, metadata)
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CodecError(f"safetensors refused the bytes: {exc}") from exc
+    try:
+        return from_wire(tensors, metadata.get("codec", "fp32")), metadata
+    except ValueError as exc:
+        raise CodecError(str(exc)) from exc
+
+
+def packed(data: bytes) -> bytes:
+    """A coded object in canonical bytes with its deflated integers packed again (`packed_wire`):
+    the same for two objects of the same integers whichever zlib deflated them."""
+    _, metadata = read_header(data)
+    check_body(data, metadata)
+    codec = metadata.get("codec", "fp32")
+    try:
+        return encode_wire(packed_wire(st_load(data), codec), metadata, codec)
+    except ValueError as exc:
+        raise CodecError(str(exc)) from exc
+
+
+def encode_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """Exact serialization (no codec) for checkpoints and optimizer state."""
+    return canonical(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata or None))
+
+
+def decode_state(data: bytes) -> dict[str, torch.Tensor]:
+    check_body(data, read_header(data)[1])
+    return st_load(data)
+
+
+def encode_state_object(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> EncodedObject:
+    """`encode_state`'s very bytes, read straight from the tensors' memory when uploaded: no copy
+    of them in memory or on disk. The tensors must not change until the object is uploaded."""
+    return _encoded({name: _in_place(tensor) for name, tensor in tensors.items()}, metadata)
+
+
+def _in_place(tensor: torch.Tensor) -> tuple[torch.dtype, list[int], Piece]:
+    """A tensor as an object's entry whose bytes are read from the tensor's own memory."""
+    t = tensor.detach().cpu().contiguous()
+    return t.dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
+
+
+class TensorFileWriter:
+    """`encode_state`'s very bytes for tensors that come one at a time (a merge makes them tensor
+    by tensor): each goes to a part file in `parts_dir` as it comes, and `finish` gives the object
+    as the canonical header and the part files in safetensors' own order, never assembled.
+    The parts stay until the caller removes `parts_dir` (after the upload); on an error they go.
+    A tensor that stays in memory anyway, unchanged until the upload, is `keep`-ed instead: read
+    where it is, not written."""
+
+    def __init__(self, parts_dir: Path):
+        self.parts_dir = parts_dir
+        self.parts_dir.mkdir()
+        self.parts: dict[str, tuple[torch.dtype, list[int], Piece]] = {}
+
+    def __enter__(self) -> TensorFileWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        dtype, shape, data = self._entry(name, tensor)
+        part = self.parts_dir / str(len(self.parts))
+        with open(part, "wb") as fh:
+            fh.write(data)
+        self.parts[name] = (dtype, shape, part)
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        self.parts[name] = self._entry(name, tensor)
+
+    def _entry(self, name: str, tensor: torch.Tensor) -> tuple[torch.dtype, list[int], Piece]:
+        if name in self.parts:
+            raise ValueError(f"tensor {name!r} added twice")
+        return _in_place(tensor)
+
+    def finish(self, metadata: dict[str, str] | None) -> EncodedObject:
+        return _encoded(self.parts, metadata)
+
+
+def _encoded(
+    entries: dict[str, tuple[torch.dtype, list[int], Piece]], metadata: dict[str, str] | None
+) -> EncodedObject:
+    """The object `encode_state` makes of tensors given as (dtype, shape, their bytes)."""
+    # safetensors orders tensors by dtype, then name: ask it, with one-element stand-ins.
+    probe = st_save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _, _) in entries.items()})
+    (n,) = struct.unpack("<Q", probe[:8])
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset, body = 0, []
+    for name, entry in json.loads(probe[8 : 8 + n]).items():
+        if name == "__metadata__":
+            continue
+        _, shape, piece = entries[name]
+        size = piece_size(piece)
+        header[name] = {**entry, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+        body.append(piece)
+    body_sha = hashlib.sha256()
+    hash_pieces(body_sha, body)
+    head = canonical_header(json.dumps(header).encode(), body_sha.hexdigest())
+    whole = hashlib.sha256(head)
+    hash_pieces(whole, body)
+    return EncodedObject((head, *body), whole.hexdigest())
+
+
+class TensorFile:
+    """A safetensors file on local disk whose header, body hash and wire layout have been
+    checked; its tensors are parsed by safetensors one at a time.
+
+    Each read maps the file afresh and lets go of it: a mapping kept open keeps every page it
+    touched resident, so reading K files side by side would hold K files in memory."""
+
+    def __init__(self, path: Path, body_sha256: str):
+        self.path = path
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(0)
+            head = fh.read(8)
+            rest = fh.read(min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES)) if len(head) == 8 else b""
+        table, self.metadata = read_header(head + rest, object_size=size)
+        body = 8 + len(rest)
+        self._spans = {
+            name: (body + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
+            for name, info in table.items()
+        }
+        self.released: set[str] = set()
+        check_body_sha256(self.metadata, body_sha256)
+        self.codec = self.metadata.get("codec", "fp32")
+        try:
+            self.plan = wire_plan({name: info["dtype"] in _FLOAT_DTYPES for name, info in table.items()}, self.codec)
+            with safe_open(path, framework="pt"):
+                pass
+        except ValueError as exc:
+            raise CodecError(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise CodecError(f"safetensors refused the bytes: {exc}") from exc
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the decoded tensors (the model's names, whatever the codec)."""
+        return list(self.plan)
+
+    def release(self, name: str) -> None:
+        """Hand back the local pages of one tensor's stored bytes once they have been read for
+        the last time (the merge does, tensor by tensor), so what is written next reuses them
+        (storage.spool.punch_holes); reading the tensor again is refused."""
+        self.released.add(name)
+        punch_holes(self.path, [self._spans[part] for part in self.plan[name]])
+
+    def _readable(self, name: str) -> None:
+        if name in self.released:
+            raise RuntimeError(f"{self.path}: tensor {name!r} was released and cannot be read again")
+
+    def decoded(self, name: str, shape_wanted: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One tensor as `decode` gives it: floats as float32, whatever the codec. With
+        `shape_wanted`, coded integers declaring another shape are refused uninflated (`decode_one`)."""
+        self._readable(name)
+        with safe_open(self.path, framework="pt") as fh:
+            parts = {p: fh.get_tensor(p) for p in self.plan[name]}
+        try:
+            return decode_one(name, parts, self.codec, shape_wanted)
+        except ValueError as exc:
+            raise CodecError(str(exc)) from exc
+
+    def stored(self, name: str) -> torch.Tensor:
+        """One tensor exactly as stored, in memory of its own (for checkpoints and states)."""
+        self._readable(name)
+        with safe_open(self.path, framework="pt") as fh:
+            return fh.get_tensor(name).clone()

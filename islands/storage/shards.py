@@ -1,0 +1,114 @@
+"""Token shards: flat arrays of uint16 or uint32 token ids (nanoGPT's `.bin` layout, no header),
+with a dataset manifest beside them, `dataset.json`, naming each shard with its token count and
+sha256, the dtype and the tokenizer's sha256 and vocabulary size.
+
+A learner reads its shards by ranges (`Shards.read`, one ranged GET per chunk), so nothing reads a
+shard whole. Opening a dataset checks every shard's size against its manifest (one listing), so a
+shard of the wrong dtype or length is named before anything trains on it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import fsspec
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from islands.storage.text import CorpusError
+
+MANIFEST = "dataset.json"
+FORMAT = "islands-tokens/1"
+DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np.uint32}
+CHUNK_BYTES = 8 << 20  # what one ranged read fetches: the read-ahead is one chunk beyond the current
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardEntry(_Strict):
+    name: str  # relative to the manifest's folder
+    tokens: int
+    sha256: str
+    source_sha256: str = ""  # of the text it was made from, with the tokenizer (islands prepare)
+
+
+class TokenizerRef(_Strict):
+    name: str
+    sha256: str
+    vocab_size: int
+
+
+class Dataset(_Strict):
+    format: Literal["islands-tokens/1"] = FORMAT
+    dtype: Literal["uint16", "uint32"]
+    tokenizer: TokenizerRef
+    shards: list[ShardEntry]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1).encode()
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The narrowest dtype that holds every id of a vocabulary."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def manifest_url(corpus: str) -> str | None:
+    """The dataset manifest a corpus URL names (the manifest itself or a folder holding one), or
+    None when it names text."""
+    if corpus.endswith("/" + MANIFEST) or corpus == MANIFEST:
+        return corpus
+    if any(ch in corpus for ch in "*?["):
+        return None
+    fs, root = fsspec.core.url_to_fs(corpus)
+    candidate = root.rstrip("/") + "/" + MANIFEST
+    return corpus.rstrip("/") + "/" + MANIFEST if fs.isfile(candidate) else None
+
+
+class Shards:
+    """A dataset's shards, read by token ranges through fsspec."""
+
+    def __init__(self, url: str, field_name: str = "corpus"):
+        self.url = url
+        self.fs, path = fsspec.core.url_to_fs(url)
+        self.folder = path.rsplit("/", 1)[0]
+        try:
+            raw = self.fs.cat_file(path)
+        except FileNotFoundError as exc:
+            raise CorpusError(f"{field_name}: {url} does not exist; run `islands prepare` first") from exc
+        try:
+            self.dataset = Dataset.model_validate(json.loads(raw))
+        except (ValueError, ValidationError) as exc:
+            first = str(exc).splitlines()[0]
+            raise CorpusError(f"{field_name}: {url} is not a dataset manifest ({first})") from exc
+        if not self.dataset.shards:
+            raise CorpusError(f"{field_name}: {url} lists no shards")
+        self.itemsize = np.dtype(self.dataset.dtype).itemsize
+        self.dtype = DTYPES[self.dataset.dtype]
+        self.names = [s.name for s in self.dataset.shards]
+        self.lengths = [s.tokens for s in self.dataset.shards]
+        self.paths = [f"{self.folder}/{s.name}" for s in self.dataset.shards]
+        self.chunk_tokens = CHUNK_BYTES // self.itemsize
+        self._check_sizes(field_name)
+
+    def _check_sizes(self, field_name: str) -> None:
+        sizes: dict[str, int] = {}
+        for folder in sorted({p.rsplit("/", 1)[0] for p in self.paths}):
+            sizes.update({e["name"].rstrip("/"): e["size"] for e in self.fs.ls(folder, detail=True)})
+        for name, path, tokens in zip(self.names, self.paths, self.lengths):
+            size = sizes.get(path)
+            if size is None:
+                raise CorpusError(f"{field_name}: shard {name} of {self.url} is missing; run `islands prepare` again")
+            if size != tokens * self.itemsize:
+                raise CorpusError(
+                    f"{field_name}: shard {name} holds {size} bytes, not the {tokens} {self.dataset.dtype} tokens "
+                    f"({tokens * self.itemsize} bytes) its manifest names: another dtype or a cut length; "
+                    "run `islands prepare` again"
+                )
+
+    def read(self, shard: int, start: int, end: int) -> np.ndarray:
+        raw = self.fs.cat_file(self.paths[shard], start=start * self.itemsize, end=end * self.itemsize)
+        return np.frombuffer(raw, self.dtype).astype(np.int32)

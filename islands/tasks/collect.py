@@ -1,0 +1,278 @@
+"""Collect: watch the regional buckets until the quorum policy closes the round.
+
+Each new delta is read once, size-checked before its bytes are fetched, streamed to the round's
+spool directory while it is hashed, parsed only by safetensors one tensor at a time, and judged
+by `islands.core.validate`; a bad one is quarantined with its reason, never merged and never looked at
+again. A good one stays on local disk until the merge, so memory does not grow with the number of
+deltas. Listing only discovers; the consumed set comes from manifests. A poll asks each
+learner's folder only for keys after the newest one seen (`DeltaWatch`), so it costs the same
+however many deltas the run has written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from islands.core.quorum import Decision, decide
+from islands.core.validate import (
+    Expected,
+    Invalid,
+    check_names,
+    check_tensor,
+    claimed_tokens,
+    global_norm,
+    norm_bound,
+    read_claims,
+    short,
+)
+from islands.storage import layout
+from islands.storage.codec import CodecError, TensorFile
+from islands.storage.manifest import Excluded
+from islands.storage.spool import spool
+from islands.storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError
+from islands.tasks.round_state import RoundState
+
+READERS = 2  # deltas read at once (see inspect_all)
+
+
+@dataclass
+class Arrival:
+    """A valid delta waiting to be merged."""
+
+    key: str
+    learner: str
+    region: str
+    phase: int
+    base_round: int
+    tokens: int
+    loss: float
+    bytes: int
+    sha256: str
+    seconds: float
+    finished_at: float
+    norm: float  # global L2 norm, for spotting outliers among the round's deltas
+    delta: TensorFile = field(repr=False)  # the checked copy in the round's spool directory
+    seen_at: float | None = None  # the collector's clock at the listing that found it
+
+
+@dataclass
+class Collected:
+    arrivals: list[Arrival]
+    quarantined: list[Excluded]
+    decision: Decision
+    waited_s: float
+
+
+class DeltaWatch:
+    """New keys in one region's bucket under the run's deltas.
+
+    The first look lists everything there; later ones ask each of the region's learners'
+    folders for keys after the newest one seen (S3's StartAfter), one small request each.
+    `look(everything=True)` lists the whole prefix again: the round's last look does, so a key
+    outside the region's learners' folders (another region's learner, a stray object) is found
+    and quarantined in the round it came in."""
+
+    def __init__(self, store: ObjectStore, run: str, learners: list[str]):
+        self.store, self.run = store, run
+        self.folders = {learner: layout.learner_deltas_prefix(run, learner) for learner in learners}
+        self.newest: dict[str, str] | None = None  # learner → newest key seen in its folder
+
+    def owned(self, key: str) -> bool:
+        return any(key.startswith(folder) for folder in self.folders.values())
+
+    def look(self, everything: bool = False) -> dict[str, int]:
+        if everything or self.newest is None:
+            found = self.store.list(layout.deltas_prefix(self.run))
+        else:
+            found = {}
+            for learner, folder in self.folders.items():
+                found.update(self.store.list(folder, start_after=self.newest[learner] or None))
+        newest = self.newest or {}
+        self.newest = {
+            learner: max((k for k in found if k.startswith(folder)), default=newest.get(learner, ""))
+            for learner, folder in self.folders.items()
+        }
+        return found
+
+
+def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Excluded | None:
+    """Read and judge one delta found in `region`'s bucket. Any fault of the delta, or any error
+    while reading or checking it, quarantines it with a short reason; only the store failing to
+    answer (no verdict on the delta) leaves it for a later look (None)."""
+    known: dict = {}  # what is known of the delta so far, for its record
+    path = state.spool_dir / f"{region}.{len(key)}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    try:
+        return _judge(state, region, key, size, path, known)
+    except StoreError as exc:
+        path.unlink(missing_ok=True)
+        if not isinstance(exc, ObjectMissing | IntegrityError):
+            return None
+        reason = f"unreadable: {exc}"
+    except (Invalid, CodecError) as exc:
+        reason = str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever a delta's bytes provoke, the round goes on
+        reason = f"could not be checked: {type(exc).__name__}: {exc}"
+    path.unlink(missing_ok=True)
+    return Excluded(kind="quarantined", key=key, reason=short(reason), region=region, **known)
+
+
+def _judge(state: RoundState, region: str, key: str, size: int, path: Path, known: dict) -> Arrival:
+    """`inspect`'s checks, in order of cost; each fault raises. `known` gathers the delta's
+    learner, phase, sha256 and capped tokens as they are established, for a quarantine record."""
+    parsed = layout.parse_delta_key(key)
+    if parsed is None:
+        raise Invalid("not a delta key of this layout")
+    learner, phase = parsed
+    known.update(learner=learner, phase=phase)
+    owners = {name: r for name, r, _ in state.config.learners()}
+    if owners.get(learner) != region:
+        raise Invalid(f"learner {learner!r} does not belong to region {region!r} in this run")
+    if size > state.max_delta_bytes():
+        raise Invalid(f"oversized: {size} bytes > {state.max_delta_bytes()}")
+    got = spool(state.stores.region(region), key, path, max_bytes=state.max_delta_bytes())
+    known["sha256"] = sha = got.sha256
+    dup = state.consumed_shas.get(sha)
+    if dup is not None:
+        raise Invalid(f"duplicate of consumed delta {dup}")
+    delta = TensorFile(path, got.body_sha256)
+    cfg = state.config
+    known["tokens"] = claimed_tokens(delta.metadata, cfg.inner_steps, state.step_tokens)
+    expected = Expected(state.run, learner, region, phase, state.round - 1, cfg.inner_steps, state.step_tokens)
+    claims = read_claims(delta.metadata, expected)
+    reason, norm = check_delta(delta, state.model)
+    # Bounded here, not at the merge, so that a delta too large to merge never counts towards the quorum.
+    reason = reason or norm_bound(norm, state.recent_norms(), state.model_norm, cfg.merge.norm_limit)
+    if reason:
+        raise Invalid(reason)
+    return Arrival(
+        key=key,
+        learner=learner,
+        region=region,
+        phase=phase,
+        base_round=claims.base_round,
+        tokens=claims.tokens,
+        loss=claims.loss,
+        bytes=got.bytes,
+        sha256=sha,
+        seconds=claims.seconds,
+        finished_at=claims.finished_at if claims.finished_at is not None else time.time(),
+        norm=norm,
+        delta=delta,
+    )
+
+
+def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Arrival | Excluded | None]:
+    """`inspect` for each (region, key, size), READERS at a time, in the order given.
+
+    One reader keeps neither side busy: the store serves while the reader waits, and the reader
+    hashes and writes while the store waits. Memory holds a chunk or a tensor per reader."""
+    if not found:
+        return []
+    _ = (
+        state.spool_dir,
+        state.consumed_shas,
+        state.model_norm,
+        state.step_tokens,
+    )  # made once, before the readers share them
+    with ThreadPoolExecutor(READERS, thread_name_prefix="collect") as pool:
+        return list(pool.map(lambda item: inspect(state, *item), found))
+
+
+def check_delta(delta: TensorFile, model: dict[str, torch.Tensor]) -> tuple[str | None, float]:
+    """(reason or None, global norm): every tensor decoded and checked against the model's, one
+    at a time; a tensor the codec cannot decode is refused with the codec's reason."""
+    reason = check_names(delta.names, model)
+    if reason:
+        return reason, 0.0
+    norms = []
+    for name, ref in model.items():
+        try:
+            reason, norm = check_tensor(name, delta.decoded(name, tuple(ref.shape)), ref)
+        except CodecError as exc:
+            return str(exc), 0.0
+        if reason:
+            return reason, 0.0
+        norms.append(norm)
+    return None, global_norm(norms)
+
+
+@task(name="collect", cache_policy=NO_CACHE)
+def collect(state: RoundState) -> Collected:
+    """Poll until all are in, the quorum's grace window ends, or the hard deadline passes."""
+    log = get_run_logger()
+    cfg = state.config
+    consumed = state.consumed
+    history = state.history()
+    learners = [name for name, _, _ in cfg.learners()]
+    watches = {
+        region: DeltaWatch(store, state.run, [name for name, r, _ in cfg.learners() if r == region])
+        for region, store in state.stores.regions.items()
+    }
+    seen: dict[tuple[str, str], Arrival | Excluded] = {}  # by (region, key): a key may be in two buckets
+
+    def look(last: bool = False) -> None:
+        """Inspect what is new; on the last look, only keys outside the learners' folders (a
+        learner's delta that lands now is left for the next round). A delta the store did not
+        serve is looked at again next time."""
+        listed_at = time.time()
+        new = [
+            (region, key, size)
+            for region, watch in watches.items()
+            for key, size in sorted(watch.look(everything=last).items())
+            if (region, key) not in consumed and (region, key) not in seen and not (last and watch.owned(key))
+        ]
+        for (region, key, _), found in zip(new, inspect_all(state, new)):
+            if found is None:
+                log.warning(
+                    "%s round %d: %s not read (the store did not answer); again later", state.run, state.round, key
+                )
+                continue
+            seen[region, key] = found
+            if isinstance(found, Arrival):
+                found.seen_at = listed_at
+            if isinstance(found, Excluded):
+                log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
+
+    started, looks = time.time(), 0
+    while True:
+        look()
+        looks += 1
+        arrivals = [a for a in seen.values() if isinstance(a, Arrival)]
+        # Only deltas from the parent round count towards the quorum; staler ones still merge,
+        # and move their learner's expected next arrival on.
+        fresh: dict[str, float] = {}
+        current = dict(history)
+        for a in sorted(arrivals, key=lambda a: a.finished_at):
+            if a.base_round == state.round - 1:
+                fresh[a.learner] = min(fresh.get(a.learner, a.seen_at), a.seen_at)
+            if a.learner in current:
+                current[a.learner] = current[a.learner].seen(a.finished_at, a.seconds)
+        now = time.time()
+        decision = decide(cfg.quorum, started, now, fresh, learners, current, listing_s=cfg.quorum.poll_s)
+        if decision.close:
+            if looks > 1:  # the first look listed everything already
+                look(last=True)
+            break
+        wake = decision.recheck_at if decision.recheck_at is not None else now + cfg.quorum.poll_s
+        time.sleep(min(cfg.quorum.poll_s, max(0.05, wake - now)))
+    waited = time.time() - started
+    quarantined = [e for e in seen.values() if isinstance(e, Excluded)]
+    log.info(
+        "%s round %d: collected %d deltas from %d learners in %.1f s (%s); %d quarantined",
+        state.run,
+        state.round,
+        len(arrivals),
+        len(fresh),
+        waited,
+        decision.reason,
+        len(quarantined),
+    )
+    return Collected(sorted(arrivals, key=lambda a: (a.learner, a.phase)), quarantined, decision, waited)

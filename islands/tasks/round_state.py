@@ -1,0 +1,158 @@
+"""What the synchronizer knows when an outer round opens, read from the global bucket alone.
+
+Everything here is derived from the manifest chain — which deltas are consumed, each learner's
+recent phase times, the current model and momentum — never from listings or local memory, so a
+second synchronizer or a retried flow run reaches the same view.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+from pathlib import Path
+
+import torch
+
+from islands.core.compress import split_residual
+from islands.core.config import RunConfig
+from islands.core.data import Stream, eval_batches
+from islands.core.quorum import LearnerHistory
+from islands.storage.corpus import held_out_part
+from islands.storage.manifest import Contribution, Manifest
+from islands.storage.model_files import step_tokens
+from islands.storage.rounds import get_tensors, read_chain
+from islands.storage.spool import SpoolFolder, remove_dead
+from islands.storage.store import Stores
+
+HISTORY = 5
+_CHAINS: dict[tuple[str, str], list[tuple[Manifest, str]]] = {}  # checked chains this process has read
+
+
+@lru_cache(maxsize=2)
+def held_out_batches(
+    corpus: str,
+    batch_size: int,
+    block_size: int,
+    n: int,
+    *,
+    eval_corpus: str | None = None,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
+) -> list:
+    """The `n` batches every round is evaluated on, from the held-out split's first chunk onwards."""
+    reader, segments = held_out_part(corpus, eval_corpus, tokenizer)
+    return eval_batches(Stream(reader, segments, block_size + 1, vocab_size), batch_size, block_size, n, seed=0)
+
+
+@dataclass
+class RoundState:
+    config: RunConfig
+    run: str
+    round: int  # the round this synchronizer is about to publish
+    stores: Stores
+    chain: list[tuple[Manifest, str]]
+    model: dict[str, torch.Tensor]  # θ of the parent round; the merge turns it into θ_r in place
+    momentum: dict[str, torch.Tensor] | None
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # what the update codec dropped so far
+
+    @classmethod
+    def load(cls, config: RunConfig, run: str, stores: Stores) -> RoundState:
+        key = (stores.global_.url, run)
+        chain = _CHAINS[key] = read_chain(stores.global_, run, _CHAINS.get(key))
+        if not chain:
+            raise RuntimeError(f"run {run} has no round 0 in {stores.global_.url}")
+        parent = chain[-1][0]
+        model = get_tensors(stores.global_, parent.model)
+        momentum, residual = split_residual(get_tensors(stores.global_, parent.outer)) if parent.outer else (None, {})
+        return cls(config, run, parent.round + 1, stores, chain, model, momentum, residual)
+
+    @cached_property
+    def spool(self) -> SpoolFolder:
+        """Where this round's deltas wait between collect and merge; fresh for every process and
+        every try, so a spooled file is never trusted beyond the process that read it. Spools that
+        synchronizers of this run left when they were killed are removed first."""
+        remove_dead(self.run)
+        return SpoolFolder(self.run, self.round)
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.spool.path
+
+    def drop_spool(self) -> None:
+        if "spool" in self.__dict__:
+            self.__dict__.pop("spool").remove()
+
+    @property
+    def parent(self) -> tuple[Manifest, str]:
+        return self.chain[-1]
+
+    @cached_property
+    def consumed(self) -> set[tuple[str, str]]:
+        return set().union(*(m.consumed() for m, _ in self.chain))
+
+    @cached_property
+    def consumed_shas(self) -> dict[str, str]:
+        """sha256 → key of every delta already merged, for spotting re-submitted copies."""
+        return {c.sha256: c.key for m, _ in self.chain for c in m.contributions}
+
+    def history(self) -> dict[str, LearnerHistory]:
+        """Each learner's recent phase times, last arrival and time between arrivals, from the
+        manifests; arrivals on the synchronizer's clock (when it saw a delta) where they say it."""
+        merged: dict[str, list] = defaultdict(list)
+        for manifest, _ in self.chain:
+            for c in manifest.contributions:
+                merged[c.learner].append(c)
+        out = {}
+        for learner, _, _ in self.config.learners():
+            recent = sorted(merged.get(learner, []), key=lambda c: c.phase)[-HISTORY:]
+            lag = seen_lag(recent)
+            out[learner] = LearnerHistory(
+                phase_seconds=[c.seconds for c in recent],
+                last_arrival=recent[-1].finished_at + lag if recent else None,
+                cycle_s=cycle(recent),
+                lag_s=lag,
+            )
+        return out
+
+    def recent_norms(self) -> list[float]:
+        """Norms of the deltas merged in the last HISTORY rounds (merge.norm_limit compares with them)."""
+        return [c.norm for m, _ in self.chain[-HISTORY:] for c in m.contributions if c.norm is not None]
+
+    @cached_property
+    def model_norm(self) -> float:
+        """‖θ_{r−1}‖, taken before the merge turns θ into θ_r (merge.norm_limit)."""
+        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in self.model.values()))
+
+    @cached_property
+    def step_tokens(self) -> int:
+        return step_tokens(self.config)
+
+    def reload(self) -> None:
+        """θ_{r−1}, its momentum and residual read again from storage (after a merge that failed
+        part way through them)."""
+        fresh = RoundState.load(self.config, self.run, self.stores)
+        self.model, self.momentum, self.residual = fresh.model, fresh.momentum, fresh.residual
+        self.__dict__.pop("model_norm", None)
+
+    def max_delta_bytes(self) -> int:
+        """Largest acceptable delta object: the model in fp32 plus a generous header."""
+        return sum(t.numel() * 4 for t in self.model.values()) + 1_000_000
+
+
+def cycle(recent: list[Contribution]) -> float | None:
+    """A learner's time from one delta to the next, from its finish times (its own clock, so
+    how late the synchronizer happened to look does not enter): the median per phase, so a
+    skipped phase does not count double; None under two deltas."""
+    per_phase = [
+        (b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(recent, recent[1:]) if b.phase > a.phase
+    ]
+    return statistics.median(per_phase) if per_phase else None
+
+
+def seen_lag(recent: list[Contribution]) -> float:
+    """From a learner's finish time to the synchronizer seeing its delta, at best: the upload and
+    the clocks' offset, without the wait for the next look (0 before the learner's first delta)."""
+    return min((c.seen_at - c.finished_at for c in recent), default=0.0)

@@ -1,0 +1,381 @@
+"""A learner's unit of work: one phase of H inner steps from a published round, ending in a delta.
+
+`LearnerSession` holds what lives across phases in the learner's process (model, inner AdamW,
+data cursor) and knows how to restore it from the learner's newest saved state,
+so a restarted learner continues where it stopped. `train_phase` is the Prefect task: one task
+run per phase.
+
+The way down: a learner holding θ_h rebuilds θ_r from the updates of rounds h+1…r while they
+are together smaller than the checkpoint, and checks the result against the manifest's model
+hash; one further behind, or just restarted, reads the checkpoint. Both come through the region's
+cache (storage.cache).
+
+Carry: a phase starts from the learner's own weights, not from the bare θ_r. Its deltas that the
+newest round has not merged yet are still in those weights, and they are kept there when a newer
+round arrives (`reference`), until a round that consumed them replaces them. Without it, every
+phase that starts before the previous one is merged retrains, from θ_r, steps the outer step is
+about to apply anyway, and the outer momentum applies that direction twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from islands.core.compress import compress_with_feedback, residual_state, split_residual
+from islands.core.config import RunConfig
+from islands.core.inner import InnerTrainer, carried
+from islands.core.merge import apply_update
+from islands.core.model import build_model, params_of
+from islands.core.pace import phase_steps
+from islands.storage import layout
+from islands.storage.cache import regional_get
+from islands.storage.codec import decode, decode_state, encode_state, encode_wire
+from islands.storage.lease import Watch
+from islands.storage.manifest import Manifest, ObjectRef
+from islands.storage.model_files import local_model
+from islands.storage.rounds import checkpoint_metadata, newest_round_from, read_manifest, stop_requested
+from islands.storage.store import ObjectStore, Stores, sha256_hex
+from islands.tasks.crash import crash_point
+from islands.tasks.ddp_phase import PhaseJob, learner_trainer
+from islands.tasks.follow import Held, RoundFollower
+from islands.tasks.write_behind import WriteBehind
+
+STOP_CHECK_S = 2.0
+CARRY_LIMIT = 8  # unmerged deltas a learner carries at most (each is a model's size in memory)
+log = logging.getLogger(__name__)
+
+
+def phase_after(states: Iterable[int], deltas: Iterable[int]) -> int:
+    """The phase a restored learner trains next: the one after its newest saved state, past any
+    delta already under that number (written before its state, by a crash between the two). Not
+    after its newest delta: whoever holds the learner's keys could write one under any number,
+    and the learner would jump there, up to numbers its keys cannot spell."""
+    taken, phase = set(deltas), max(states, default=-1) + 1
+    while phase in taken:
+        phase += 1
+    return phase
+
+
+@dataclass(frozen=True)
+class HeldRound:
+    """A round as a learner holds it: θ_r, and which of this learner's phases rounds ≤ r consumed."""
+
+    params: dict[str, torch.Tensor]
+    consumed: frozenset[int] = frozenset()
+    tokens_applied: int = 0  # the run's progress at round r (Manifest.tokens_applied)
+    rates: dict[str, float] = field(default_factory=dict)  # learner → tokens/s of its newest merged phase
+
+
+@dataclass(frozen=True)
+class Way:
+    """How a learner came by a round: the round it held already, made from the run's seed (round
+    0), rebuilt from `updates` updates onto the round it held, or read as the checkpoint, with the
+    reason when the updates were tried first and failed (`fallback`)."""
+
+    source: Literal["held", "seed", "updates", "checkpoint"]
+    updates: int = 0
+    fallback: str | None = None
+
+
+@dataclass
+class LearnerSession:
+    config: RunConfig
+    run: str
+    learner: str
+    region: str
+    stores: Stores
+    trainer: InnerTrainer | PhaseJob
+    next_phase: int = 0
+    last_base: int | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    watch: Watch | None = None  # the driver's lease; None: follow no driver
+    crash: str | None = None  # crash point armed in this learner (tasks.crash)
+    halt: str | None = None  # why the learner stops before the run ends
+    stop_asked: bool = False  # the run asked its learners to stop (seen in storage)
+    stop_checked_at: float = -math.inf  # when must_stop last asked storage (time.monotonic)
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
+    uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
+    rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
+    unmerged: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # phase → delta no round holds yet
+    rate: float | None = None  # tokens/s of this learner's last phase (islands.core.pace)
+
+    @property
+    def global_store(self) -> ObjectStore:
+        return self.stores.global_
+
+    @property
+    def regional_store(self) -> ObjectStore:
+        return self.stores.region(self.region)
+
+    @classmethod
+    def open(cls, config: RunConfig, run: str, learner: str, stores: Stores) -> LearnerSession:
+        """Build the learner from the run's config and restore its newest saved state, if any."""
+        torch.set_num_threads(config.threads_per_learner())
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Several GPUs: each phase is a torchrun job; the learner's process keeps its state between them.
+        # Either refuses a learner that is not part of the run.
+        trainer = (
+            learner_trainer(config, learner, device) if config.gpus_per_learner == 1 else PhaseJob(config, learner)
+        )
+        region = next(r for name, r, _ in config.learners() if name == learner)
+        session = cls(config, run, learner, region, stores, trainer, device=device)
+        session.restore()
+        return session
+
+    def restore(self) -> None:
+        """Continue after the newest phase this learner finished (its state and delta are in S3)."""
+        store = self.regional_store
+        states = {
+            p: k
+            for k in store.list(layout.learner_state_prefix(self.run, self.learner))
+            if (p := layout.parse_state_key(k)) is not None
+        }
+        deltas = [
+            parsed[1]
+            for k in store.list(layout.learner_deltas_prefix(self.run, self.learner))
+            if (parsed := layout.parse_delta_key(k)) and parsed[0] == self.learner
+        ]
+        if states:
+            newest = max(states)
+            data = store.get(states[newest])
+            trainer_state, self.residual = split_residual(decode_state(data))
+            self.trainer.load_state_dict(trainer_state)
+        self.next_phase = phase_after(states, deltas)
+
+    def collect_old_states(self, newest: int) -> None:
+        """Garbage-collect saved states older than the one before `newest` (only those are read)."""
+        store = self.regional_store
+        for key in store.list(layout.learner_state_prefix(self.run, self.learner)):
+            p = layout.parse_state_key(key)
+            if p is not None and p < newest - 1:
+                store.delete(key)
+
+    def base(self, round_: int, held: Held | None = None) -> tuple[HeldRound, Way]:
+        """Round `round_` the cheapest way given the round already `held`, and which way that was."""
+        if held is not None and held[0] == round_:
+            return held[1], Way("held")
+        behind = held is not None and held[0] < round_
+        first = held[0] + 1 if behind else round_
+        manifests = [read_manifest(self.global_store, self.run, r)[0] for r in range(first, round_ + 1)]
+        consumed = (held[1].consumed if behind else frozenset()) | {
+            item.phase for m in manifests for item in [*m.contributions, *m.excluded] if item.learner == self.learner
+        }
+        rates = dict(held[1].rates) if behind else {}
+        rates.update({c.learner: c.tokens / c.seconds for m in manifests for c in m.contributions if c.seconds > 0})
+        params, way = None, Way("checkpoint")
+        if round_ == 0:
+            params = self.seeded(manifests[-1])
+            if params is not None:  # a warm start's round 0 is read
+                way = Way("seed")
+        updates = [m.update for m in manifests]
+        if behind and all(updates) and sum(u.bytes for u in updates) < manifests[-1].model.bytes:
+            params = self.rebuilt(manifests, held[1].params)
+            way = (
+                Way("updates", len(updates))
+                if params is not None
+                else Way("checkpoint", fallback="the updates did not rebuild the published model")
+            )
+        if params is None:
+            params = decode_state(self.fetch(manifests[-1].model))
+        return HeldRound(params, frozenset(consumed), manifests[-1].tokens_applied, rates), way
+
+    def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
+        """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
+        warm-started run's does not): a region downloads no model it can make itself."""
+        params = params_of(build_model(local_model(self.config.model), self.config.seed))
+        encoded = encode_state(params, checkpoint_metadata(self.run, 0))
+        return params if sha256_hex(encoded) == manifest.model.sha256 else None
+
+    def rebuilt(self, manifests: list[Manifest], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """θ_h + the updates of rounds h+1…r in turn, if that encodes to the very bytes round r's
+        manifest names (each round's model is its parent plus its update, so the last hash checks all)."""
+        params = held
+        for manifest in manifests:
+            params = apply_update(params, decode(self.fetch(manifest.update))[0])
+        encoded = encode_state(params, checkpoint_metadata(self.run, manifests[-1].round))
+        return params if sha256_hex(encoded) == manifests[-1].model.sha256 else None
+
+    def fetch(self, ref: ObjectRef) -> bytes:
+        """A round's object through the region's cache: each crosses regions once per region."""
+        return regional_get(self.regional_store, self.global_store, self.run, ref, owner=self.learner)
+
+    def follow(self, poll_s: float) -> RoundFollower:
+        """Start following the published rounds (raises when the run has none)."""
+        self.rounds = RoundFollower(
+            lambda held: newest_round_from(self.global_store, self.run, held), self.fetch_round, poll_s
+        )
+        return self.rounds.start(self.run)
+
+    def fetch_round(self, round_: int, held: Held | None) -> HeldRound:
+        """Round `round_` for the follower thread, saying when the updates could not be used."""
+        published, way = self.base(round_, held)
+        if way.fallback is not None:
+            log.warning("%s learner %s: round %d from the checkpoint: %s", self.run, self.learner, round_, way.fallback)
+        return published
+
+    def reference(self, held: Held) -> dict[str, torch.Tensor]:
+        """The point this learner's steps count from on the held round: θ_r, or with `carry`, θ_r
+        plus its own progress that round r has not merged yet (so its weights keep it)."""
+        self.unmerged = {q: d for q, d in self.unmerged.items() if q not in held[1].consumed}
+        return carried(held[1].params, list(self.unmerged.values()))
+
+    def rebase_offer(self, moves: list[int]):
+        """For run_phase: a round newer than moves[-1] (and still part of the run), once; each
+        round offered is appended to `moves`."""
+        if not self.config.rebase:
+            return None
+
+        def offer() -> dict[str, torch.Tensor] | None:
+            held = self.rounds.held()
+            if moves[-1] < held[0] < self.config.rounds:
+                moves.append(held[0])
+                return self.reference(held)
+            return None
+
+        return offer
+
+    def must_stop(self) -> bool:
+        """The run asked learners to stop, or this learner's driver is gone or replaced.
+
+        Storage is asked at most every STOP_CHECK_S seconds (two requests each time): the phase
+        loop asks before every step and the learner before every phase, on its training thread.
+        A stop, once seen, stays."""
+        now = time.monotonic()
+        if self.halt is None and not self.stop_asked and now - self.stop_checked_at >= STOP_CHECK_S:
+            self.stop_checked_at = now
+            if self.watch is not None:
+                self.halt = self.watch.verdict()
+            self.stop_asked = self.halt is None and stop_requested(self.global_store, self.run)
+        return self.halt is not None or self.stop_asked
+
+    def superseded(self) -> bool:
+        """Asked right before writing: has a newer driver launched its own learner in this one's place?"""
+        if self.watch is None:
+            return False
+        self.halt = self.watch.verdict() or self.halt
+        return self.watch.superseded
+
+    def io_totals(self) -> dict[str, int]:
+        """Bytes this process moved so far; global reads alone are what crossed regions downwards."""
+        g, r = self.global_store.io, self.regional_store.io
+        return {
+            "io_read": g.bytes_read + r.bytes_read,
+            "io_read_global": g.bytes_read,
+            "io_written": g.bytes_written + r.bytes_written,
+        }
+
+
+@task(name="train-phase", cache_policy=NO_CACHE, task_run_name="{session.learner}/phase-{phase}")
+def train_phase(session: LearnerSession, phase: int) -> dict:
+    """Train H steps from the newest round held, folding in rounds published meanwhile, then
+    hand the delta and the learner's state to the uploads."""
+    log = get_run_logger()
+    cfg = session.config
+    held = session.rounds.held()
+    start_round = held[0]
+    moves = [start_round]  # the rounds the phase trained on, in turn
+    if cfg.lr_catch_up:
+        session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
+    steps = phase_steps(cfg.inner_steps, session.rate, list(held[1].rates.values())) if cfg.paced else cfg.inner_steps
+    result = session.trainer.run_phase(
+        session.reference(held),
+        steps,
+        slowdown=cfg.slowdown(session.region),
+        min_step_s=cfg.min_step_s.get(session.region, 0.0),
+        should_stop=session.must_stop,
+        rebase=session.rebase_offer(moves),
+    )
+    base_round = session.last_base = moves[-1]
+    if result.seconds > 0:
+        session.rate = result.tokens / result.seconds
+    if result.steps == 0:
+        log.info(
+            "%s learner %s (%s): stopped before phase %d began", session.run, session.learner, session.region, phase
+        )
+        return {"phase": phase, "steps": 0}
+    store = session.regional_store
+    meta = {
+        "run": session.run,
+        "learner": session.learner,
+        "region": session.region,
+        "phase": phase,
+        "base_round": base_round,
+        "start_round": start_round,
+        "rebases": ",".join(f"{step}:{r}" for step, r in zip(result.rebased_at, moves[1:])),
+        "inner_steps": result.steps,
+        "tokens": result.tokens,
+        "loss": f"{result.loss:.6f}",
+        "seconds": f"{result.seconds:.3f}",
+        "finished_at": f"{time.time():.3f}",
+        **session.io_totals(),
+    }
+    # Error feedback: what the codec drops now rides along with the next delta.
+    wire, _, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)
+    delta = encode_wire(wire, meta, cfg.codec)
+    # Encoded now, before the next phase moves the optimizer on; uploaded while it trains.
+    state = encode_state(
+        {**session.trainer.state_dict(), **residual_state(residual)},
+        {"phase": str(phase), "base_round": str(base_round)},
+    )
+
+    def upload() -> None:
+        if session.superseded():
+            # A newer driver's learner owns this learner's phases now; it re-does this data.
+            log.warning("%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt)
+            return
+        crash_point("phase.before_delta", phase, session.crash)
+        store.put_or_verify(layout.delta_key(session.run, session.learner, phase), delta)
+        crash_point("phase.after_delta", phase, session.crash)
+        # The delta first: a crash before the state is saved re-trains from the older state, it
+        # never loses a finished delta.
+        store.put_or_verify(layout.learner_state_key(session.run, session.learner, phase), state)
+        crash_point("phase.after_state", phase, session.crash)
+        session.collect_old_states(phase)
+
+    session.uploads.submit(upload)
+    if cfg.carry:
+        session.unmerged[phase] = result.delta
+        if len(session.unmerged) > CARRY_LIMIT:  # no round for many phases: bound the memory, not the run
+            oldest = min(session.unmerged)
+            del session.unmerged[oldest]
+            log.warning(
+                "%s learner %s: %d phases without a round that merged them; phase %d no longer carried",
+                session.run,
+                session.learner,
+                CARRY_LIMIT + 1,
+                oldest,
+            )
+    session.residual = residual
+    session.next_phase = phase + 1
+    log.info(
+        "%s learner %s (%s) phase %d on round %d%s: %d steps%s%s, loss %.3f, %d tokens, %.1f s, delta %.2f MB",
+        session.run,
+        session.learner,
+        session.region,
+        phase,
+        base_round,
+        f" (from round {start_round})" if start_round != base_round else "",
+        result.steps,
+        f" (paced: H is {cfg.inner_steps})" if steps < cfg.inner_steps else "",
+        f" as a torchrun job of {cfg.gpus_per_learner} processes ({cfg.parallel})" if cfg.gpus_per_learner > 1 else "",
+        result.loss,
+        result.tokens,
+        result.seconds,
+        len(delta) / 1e6,
+    )
+    return {
+        "phase": phase,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "loss": result.loss,
+        "seconds": result.seconds,
+    }
