@@ -9,8 +9,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from islands.flows import cli
-from islands.ops import status
 from islands.flows.artifacts import browser_url, loss_curves, report_markdown, round_table
+from islands.ops import status
 from islands.ops.plot import data_uri, line_chart
 from islands.ops.status import NoSuchRun, liveness
 from islands.storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum

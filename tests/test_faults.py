@@ -80,7 +80,9 @@ def test_a_region_killed_then_restarted_is_away_in_between_and_killed_once(monke
 
     killed = []
     monkeypatch.setattr(
-        islands.flows.learner_runs, "kill_learners", lambda run, region: killed.append(region) or [f"learner-{region}-0"]
+        islands.flows.learner_runs,
+        "kill_learners",
+        lambda run, region: killed.append(region) or [f"learner-{region}-0"],
     )
     monkeypatch.setattr(Chaos, "_note", lambda self, line: self.log.append(line))
     chaos = Chaos.parse(["kill:west@round2,restart:west@round4"])

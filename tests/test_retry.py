@@ -25,9 +25,7 @@ from islands.storage.rounds import read_manifest
 
 RUN = "retry-run"
 DEPLOYMENT = "outer-round/retry-test"
-RUNNER = (
-    "from islands.flows.outer_round import outer_round\nouter_round.serve(name='retry-test', print_starting_message=False)\n"
-)
+RUNNER = "from islands.flows.outer_round import outer_round\nouter_round.serve(name='retry-test', print_starting_message=False)\n"
 
 
 def wait_final(flow_run_id, timeout_s: float = 180.0):

@@ -9,8 +9,8 @@ import torch
 from fake_learner import delta_bytes, new_run, put
 
 from islands.core import compress
-from islands.ops import audit
 from islands.flows.outer_round import outer_round
+from islands.ops import audit
 from islands.ops.audit import audit_run
 from islands.storage import layout
 from islands.storage.codec import encode_state, packed
