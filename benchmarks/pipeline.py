@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.heldout import BATCH, CORPUS, EVAL_BATCHES, PRESET
+from islands.core.codecs import Codec
 from islands.core.config import load_config
 from islands.storage import layout
 from islands.storage.manifest import Manifest, Quorum
@@ -82,8 +83,8 @@ class Spec:
     inner_steps: int
     rounds: int
     seed: int = 0
-    codec: str = "fp32"
-    update_codec: str = "bf16"
+    codec: Codec = "fp32"
+    update_codec: Codec = "bf16"
     speed: tuple[tuple[str, float], ...] = (("eu-west", 1 / 3),)
     min_step_s: tuple[tuple[str, float], ...] = ()
     min_quorum: int = 2

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from benchmarks.heldout import BATCH, PRESET
 from benchmarks.inprocess import Budget, learner_trainers
+from islands.core.codecs import Codec
 from islands.core.compress import compress_with_feedback
 from islands.core.config import MergeSettings, QuorumSettings
 from islands.core.inner import InnerTrainer, carried
@@ -43,8 +44,8 @@ class Schedule:
     catch_up: bool = False  # a phase starts at the learners' average progress in the lr schedule
     paced: bool = False  # a phase's steps scale with the learner's rate (islands.core.pace)
     away: int = 0  # learners of the run that never send a delta (dead throughout), beyond `speeds`
-    codec: str = "fp32"  # the deltas' codec
-    update_codec: str | None = None  # the rounds' update codec; None: θ_r is the merge's result as it is
+    codec: Codec = "fp32"  # the deltas' codec
+    update_codec: Codec | None = None  # the rounds' update codec; None: θ_r is the merge's result as it is
 
     def steps_for(self, speed: float) -> int:
         return phase_steps(self.h, speed, list(self.speeds)) if self.paced else self.h

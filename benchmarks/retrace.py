@@ -23,6 +23,7 @@ import torch
 from benchmarks.heldout import PRESET
 from benchmarks.inprocess import Budget, learner_trainers
 from benchmarks.pipeline import REGIONS, Run
+from islands.core.codecs import Codec
 from islands.core.compress import compress_with_feedback
 from islands.core.config import MergeSettings, RunConfig
 from islands.core.inner import carried
@@ -92,7 +93,7 @@ def trace(run: Run, until: int) -> Trace:
     )
 
 
-def retrace(t: Trace, budget: Budget, codec: str, update_codec: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def retrace(t: Trace, budget: Budget, codec: Codec, update_codec: Codec, seed: int = 0) -> dict[str, torch.Tensor]:
     """θ of the trace's last round, the learners trained through the trace's schedule with
     `codec` deltas (learner-side error feedback) and `update_codec` updates (the synchronizer's),
     carrying their unmerged deltas as the pipeline's learners do."""

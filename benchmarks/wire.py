@@ -16,12 +16,13 @@ from benchmarks import heldout, pipeline
 from benchmarks.inprocess import Budget
 from benchmarks.quality import at_budget, budget, decoupled_spec, hs
 from benchmarks.report import Result, at_least, at_most, standalone
+from islands.core.codecs import IntegerCodec, bits_of
 from islands.core.model import build_model
 from islands.core.plan import ring_bytes
 
 INT4_LOSS_BAR = 1.005
-INT4_UPDATES = "int3"
-INT4_TAG = "i4u" + INT4_UPDATES[len("int") :]  # in the runs' names
+INT4_UPDATES: IntegerCodec = "int3"
+INT4_TAG = f"i4u{bits_of(INT4_UPDATES)}"  # in the runs' names
 
 
 def traffic(run: pipeline.Run) -> dict:

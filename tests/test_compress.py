@@ -1,13 +1,18 @@
 """int8/int4/int3/int2 deltas: error bounds, exact packing, deflated integers, error feedback without
 drift, hostile parts refused."""
 
+import typing
 import zlib
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from islands.core.codecs import CODECS, INTEGER_CODECS
 from islands.core.compress import (
+    BITS,
     BLOCK,
+    FLOAT_WIRE,
     TERNARY_THRESHOLD,
     compress_with_feedback,
     decode_one,
@@ -22,6 +27,7 @@ from islands.core.compress import (
     to_wire,
     unpack,
 )
+from islands.core.config import RunConfig
 from islands.storage.codec import CodecError, decode, encode, encode_wire, packed
 
 META = {"run": "run-abc", "learner": "us-east-0", "phase": "3"}
@@ -36,6 +42,32 @@ def delta(seed: int = 0) -> dict[str, torch.Tensor]:
         "zeros": torch.zeros(3, 5),
         "step": torch.arange(4, dtype=torch.int64),
     }
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_codec_name_round_trips_through_the_wire(codec):
+    """Each name is one the wire writes and reads back, to within what its format keeps: a float's
+    rounding, or a step of its integers (int2, with one level, may miss by a block's peak)."""
+    src = delta()
+    out, meta = decode(encode(src, META, codec))
+    assert meta["codec"] == codec and set(out) == set(src)
+    assert torch.equal(out["step"], src["step"])
+    for name, t in src.items():
+        if t.is_floating_point():
+            peak = t.abs().max()
+            bound = peak / levels(BITS[codec]) if codec in BITS else peak * torch.finfo(FLOAT_WIRE[codec]).eps
+            assert out[name].dtype == torch.float32 and out[name].shape == t.shape
+            assert (out[name] - t).abs().max() <= bound, name
+
+
+def test_the_wire_and_the_configuration_know_the_same_codecs():
+    assert (*FLOAT_WIRE, *BITS) == CODECS
+    for field in ("codec", "update_codec"):
+        assert typing.get_args(RunConfig.model_fields[field].annotation) == CODECS
+        for codec in CODECS:
+            assert getattr(RunConfig(**{field: codec}), field) == codec
+        with pytest.raises(ValidationError):
+            RunConfig(**{field: "int5"})
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "int3"])
@@ -119,7 +151,7 @@ def test_scales_in_another_dtype_are_refused():
         dequantize(q, scale.float(), [3 * BLOCK], 8)
 
 
-@pytest.mark.parametrize("codec,bits", [("int8", 8), ("int4", 4), ("int3", 3), ("int2", 2)])
+@pytest.mark.parametrize("codec,bits", BITS.items())
 def test_error_feedback_keeps_the_sum_of_sent_updates_on_the_sum_of_true_deltas(codec, bits):
     g = torch.Generator().manual_seed(2)
     bias = torch.randn(64, 64, generator=g) * 1e-4  # a consistent direction, as in training
@@ -179,7 +211,7 @@ def hostile(codec: str, **changes) -> bytes:
 n_blocks = -(-130 // BLOCK)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("codec", INTEGER_CODECS)
 @pytest.mark.parametrize(
     "changes,reason",
     [
@@ -206,7 +238,7 @@ def as_bytes(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("codec", INTEGER_CODECS)
 @pytest.mark.parametrize(
     "stream,reason",
     [
@@ -217,7 +249,7 @@ def as_bytes(data: bytes) -> torch.Tensor:
     ],
 )
 def test_hostile_deflated_integers_are_refused_without_inflating_past_their_shape(codec, stream, reason):
-    n = integer_bytes(130, {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec])
+    n = integer_bytes(130, BITS[codec])
     with pytest.raises(CodecError, match=reason):
         decode(hostile(codec, z=as_bytes(stream(n))))
 
@@ -243,17 +275,17 @@ def test_a_reader_that_knows_the_shape_refuses_a_larger_one_before_inflating():
         decode_one("w", bomb, "int4", shape_wanted=(10, 13))
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("codec", INTEGER_CODECS)
 def test_a_pseudo_gradients_integers_go_deflated_and_decode_to_the_same_values(codec):
     t = torch.randn(256, 128, generator=torch.Generator().manual_seed(3)) * 1e-3  # values crowd near zero
-    q, scale = quantize(t, {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec])
+    q, scale = quantize(t, BITS[codec])
     wire = to_wire({"w": t}, codec)
     assert "w.q" not in wire and wire["w.z"].dtype == torch.uint8
     assert wire["w.z"].numel() < 0.95 * q.numel() * q.element_size()
     assert torch.equal(wire["w.scale"], scale)
     assert torch.equal(
         from_wire(wire, codec)["w"],
-        dequantize(q, scale, [256, 128], {"int8": 8, "int4": 4, "int3": 3, "int2": 2}[codec]),
+        dequantize(q, scale, [256, 128], BITS[codec]),
     )
 
 

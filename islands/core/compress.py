@@ -30,11 +30,12 @@ import zlib
 import torch
 from torch.nn import functional as F
 
+from islands.core.codecs import CODECS, INTEGER_CODECS, Codec, FloatCodec, IntegerCodec, bits_of
+
 BLOCK = 128  # values per scale
 SCALE_DTYPE = torch.bfloat16
-BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
-FLOAT_WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CODECS = (*FLOAT_WIRE, *BITS)
+BITS: dict[IntegerCodec, int] = {c: bits_of(c) for c in INTEGER_CODECS}
+FLOAT_WIRE: dict[FloatCodec, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}  # one per FLOAT_CODECS
 INTEGER_PARTS = (".q", ".z")  # packed, or packed and deflated
 PARTS = (*INTEGER_PARTS, ".scale", ".shape")
 DEFLATE_LEVEL = 1
@@ -185,12 +186,12 @@ def check_parts(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: in
         )
 
 
-def to_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+def to_wire(tensors: dict[str, torch.Tensor], codec: Codec) -> dict[str, torch.Tensor]:
     """The tensors a delta object stores for `codec`; non-float tensors travel unchanged."""
     return deflated_wire(quantized_wire(tensors, codec), codec)
 
 
-def quantized_wire(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+def quantized_wire(tensors: dict[str, torch.Tensor], codec: Codec) -> dict[str, torch.Tensor]:
     """`to_wire` with the integers packed, not yet deflated (`packed_wire`'s form)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
@@ -301,7 +302,7 @@ def packed_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Te
 
 
 def compress_with_feedback(
-    delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: str
+    delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: Codec
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(wire tensors of delta + residual, what a receiver decodes from them, the new residual).
 

@@ -23,6 +23,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from islands.core.codecs import FLOAT_CODECS, INTEGER_CODECS, Codec
+
 DEMO_SPEED = {"eu-west": 0.33}
 # Where a run without `store` keeps its buckets: the embedded S3 endpoint (AWS_ENDPOINT_URL).
 EMBEDDED_STORE = "s3://islands-{bucket}"
@@ -174,10 +176,11 @@ class RunConfig(BaseModel):
         {},
         description="Per-region floor on an inner step's wall time, in seconds, held over each phase: a learner that computes faster waits out the rest, and a step slowed by other processes is made up by shorter waits after it, so its rate stays capped whatever else the machine runs.",
     )
-    codec: Literal["fp32", "bf16", "int8", "int4", "int3", "int2"] = Field(
-        "fp32", description="Wire format of deltas: fp32, bf16, or int8/int4/int3/int2 with one scale per 128 values."
+    codec: Codec = Field(
+        "fp32",
+        description=f"Wire format of deltas: {', '.join(FLOAT_CODECS)}, or {'/'.join(INTEGER_CODECS)} with one scale per 128 values.",
     )
-    update_codec: Literal["fp32", "bf16", "int8", "int4", "int3", "int2"] = Field(
+    update_codec: Codec = Field(
         "bf16",
         description="Wire format of the outer update published beside each checkpoint, which learners one round behind fetch instead of it.",
     )

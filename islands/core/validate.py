@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from islands.core.compress import CODECS
+from islands.core.codecs import CODECS
 
 MAX_REASON = 240  # characters of a quarantine reason, as a manifest records it
 MAX_SHOWN = 40  # characters of a learner's own text quoted in a reason

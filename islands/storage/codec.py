@@ -1,6 +1,7 @@
 """Tensors on the wire: safetensors with string metadata, never pickle.
 
-Codecs: fp32, bf16, and int8/int4/int3/int2 with per-block scales (islands.core.compress defines the wire form).
+Codecs: those islands.core.codecs names, floats or integers with per-block scales (islands.core.compress
+gives each its wire form).
 Whatever the codec, `decode` returns float32 tensors under the original names, so validation
 and the merge never see the codec.
 
@@ -27,7 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from islands.core.compress import CODECS, decode_one, from_wire, packed_wire, to_wire, wire_plan
+from islands.core.codecs import CODECS, Codec
+from islands.core.compress import decode_one, from_wire, packed_wire, to_wire, wire_plan
 from islands.storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
 from islands.storage.spool import punch_holes
 
@@ -41,12 +43,12 @@ class CodecError(ValueError):
     """The bytes are not a well-formed safetensors object of ours; the message says why."""
 
 
-def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: str = "fp32") -> bytes:
+def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: Codec = "fp32") -> bytes:
     """Serialize float tensors in the codec's wire form; other dtypes travel unchanged."""
     return encode_wire(to_wire(tensors, codec), metadata, codec)
 
 
-def encode_wire(wire: dict[str, torch.Tensor], metadata: dict[str, str], codec: str) -> bytes:
+def encode_wire(wire: dict[str, torch.Tensor], metadata: dict[str, str], codec: Codec) -> bytes:
     """Serialize tensors already in `codec`'s wire form (error feedback makes them itself)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
