@@ -28,10 +28,10 @@ from benchmarks.heldout import BATCH, CORPUS, EVAL_BATCHES, PRESET
 from islands.core.codecs import Codec
 from islands.core.config import load_config
 from islands.storage import layout
-from islands.storage.manifest import Manifest, Quorum
+from islands.storage.manifest import Manifest, Quorum, RoundSettings
 from islands.storage.rounds import get_tensors, object_metadata, put_tensors, read_chain, with_eval_losses
 from islands.storage.store import Stores
-from islands.tasks.publish import commit, hyper
+from islands.tasks.publish import commit
 
 REGIONS = ("us-east", "eu-west", "ap-south", "sa-east")
 STORE = "s3://islands-{bucket}"
@@ -179,16 +179,9 @@ def seed_round0(spec: Spec, stores: Stores) -> None:
             created_at=datetime.now().astimezone().isoformat(),
             model=ref,
             outer=None,
-            hyper=hyper(config),
             eval_loss=loss(params) if config.evaluates(0, 0) else None,
-            quorum=Quorum(
-                min_quorum=config.quorum.min_quorum,
-                max_quorum=config.max_quorum,
-                received=0,
-                learners=[n for n, _, _ in config.learners()],
-                waited_s=0.0,
-                closed_by="initial",
-            ),
+            settings=RoundSettings.of(config),
+            quorum=Quorum(received=0, learners=[n for n, _, _ in config.learners()], waited_s=0.0, closed_by="initial"),
         ),
     )
 

@@ -29,7 +29,6 @@ from islands.core.config import MergeSettings, RunConfig
 from islands.core.inner import carried
 from islands.core.merge import encode_update, merge_round
 from islands.core.model import build_model, params_of
-from islands.ops.audit import RULE_FIELDS
 from islands.tasks.train_phase import CARRY_LIMIT
 
 
@@ -82,8 +81,7 @@ def trace(run: Run, until: int) -> Trace:
         )
         for m in chain[1:]
     ]
-    hyper = chain[-1].hyper
-    rule = MergeSettings(**{k: hyper[k] for k in RULE_FIELDS})
+    rule = chain[-1].settings.merge
     config = RunConfig(run_id=run.run_id, regions=list(REGIONS))
     return Trace(
         {n: sorted(ps, key=lambda p: p.phase) for n, ps in phases.items()},

@@ -8,12 +8,13 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from islands.core.config import MergeSettings, QuorumSettings
 from islands.flows import cli
 from islands.flows.artifacts import browser_url, loss_curves, report_markdown, round_table
 from islands.ops import status
 from islands.ops.plot import data_uri, line_chart
 from islands.ops.status import NoSuchRun, liveness
-from islands.storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
+from islands.storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum, RoundSettings
 from islands.storage.store import Stores
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -50,15 +51,13 @@ def manifest(round_: int, eval_loss: float, contributions=(), excluded=()) -> Ma
         outer=None,
         contributions=list(contributions),
         excluded=list(excluded),
+        settings=RoundSettings(merge=MergeSettings(), quorum=QuorumSettings(min_quorum=1), num_learners=2),
         quorum=Quorum(
-            min_quorum=1,
-            max_quorum=2,
             received=len(contributions),
             learners=[],
             waited_s=1.5,
             closed_by="quorum+grace" if round_ else "initial",
         ),
-        hyper={},
         eval_loss=eval_loss,
     )
 

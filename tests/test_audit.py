@@ -19,11 +19,12 @@ import pytest
 import torch
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from islands.core.config import MergeSettings, QuorumSettings, RunConfig
 from islands.flows.cli import main
 from islands.infra.s3_server import client
 from islands.storage import layout
 from islands.storage.codec import decode_state, encode_state, read_header
-from islands.storage.manifest import Manifest
+from islands.storage.manifest import Manifest, RoundSettings
 
 RUN = "audit-run"
 GLOBAL = "islands-global"
@@ -110,6 +111,17 @@ def test_a_clean_run_passes_with_replay_and_balanced_books(s3, on_stack):
     for row in report["ledger"].values():
         assert row["trained"] > 0 and row["applied"] > 0
         assert row["lost"] == 0 and row["trained"] == row["applied"] + row["dropped"] + row["pending"]
+
+
+def test_every_round_records_the_settings_it_ran_with(s3):
+    """Round 0's manifest and those the outer rounds published: the run's settings, typed, and the
+    number of learners an unset quorum.max_quorum stands for."""
+    config = RunConfig.model_validate_json(read(s3, layout.config_key(RUN)))
+    for r in range(4):
+        settings = manifest(s3, r).settings
+        assert isinstance(settings.merge, MergeSettings) and isinstance(settings.quorum, QuorumSettings)
+        assert settings == RoundSettings.of(config)
+        assert (settings.quorum.min_quorum, settings.quorum.max_quorum, settings.max_quorum) == (2, None, 2)
 
 
 def _model(s3, r: int) -> str:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from islands.core.config import RunConfig
 from islands.storage.codec import (
     MAX_HEADER_BYTES,
     CodecError,
@@ -23,7 +24,7 @@ from islands.storage.codec import (
     encode_state_object,
     read_header,
 )
-from islands.storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum
+from islands.storage.manifest import Contribution, Excluded, Manifest, ObjectRef, Quorum, RoundSettings
 from islands.storage.store import sha256_hex
 
 META = {
@@ -319,15 +320,13 @@ def manifest(**changes) -> Manifest:
                 tokens=100,
             )
         ],
+        settings=RoundSettings.of(RunConfig(merge={"outer_lr": 0.5, "outer_momentum": 0.9, "max_staleness": 4})),
         quorum=Quorum(
-            min_quorum=2,
-            max_quorum=4,
             received=3,
             learners=["us-east-0", "ap-south-0", "sa-east-0"],
             waited_s=4.5,
             closed_by="quorum+grace",
         ),
-        hyper={"outer_lr": 0.5, "outer_momentum": 0.9, "codec": "fp32", "max_staleness": 4},
         eval_loss=2.25,
         timings={"collect": 4.5, "merge": 0.25},
     )
@@ -349,7 +348,7 @@ def test_manifest_round_trip():
 
 
 def test_manifest_bytes_are_canonical():
-    a, b = manifest(), manifest(hyper=dict(reversed(list(manifest().hyper.items()))))
+    a, b = manifest(), manifest(timings=dict(reversed(list(manifest().timings.items()))))
     assert a.to_bytes() == b.to_bytes()
     assert sha256_hex(a.to_bytes()) == sha256_hex(b.to_bytes())
     data = a.to_bytes()

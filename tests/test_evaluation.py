@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from islands.core.config import MergeSettings, QuorumSettings
 from islands.storage import layout
-from islands.storage.manifest import Evaluation, Manifest, ObjectRef, Quorum
+from islands.storage.manifest import Evaluation, Manifest, ObjectRef, Quorum, RoundSettings
 from islands.storage.rounds import read_evaluation, with_eval_losses
 from islands.storage.store import IntegrityError, ObjectStore
 from islands.tasks.evaluate import commit_evaluation
@@ -25,8 +26,8 @@ def manifest(round_: int, eval_loss: float | None = None) -> Manifest:
         created_at="2026-01-01T00:00:00+00:00",
         model=ObjectRef(key=f"m{round_}", sha256=f"{round_:02d}" * 32, bytes=10),
         outer=None,
-        quorum=Quorum(min_quorum=1, max_quorum=2, received=1, learners=[], waited_s=1.0, closed_by="all-in"),
-        hyper={},
+        settings=RoundSettings(merge=MergeSettings(), quorum=QuorumSettings(min_quorum=1), num_learners=2),
+        quorum=Quorum(received=1, learners=[], waited_s=1.0, closed_by="all-in"),
         eval_loss=eval_loss,
     )
 

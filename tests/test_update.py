@@ -97,10 +97,10 @@ def test_the_residual_survives_a_reload_of_the_outer_state():
         assert (sha256_hex(update_bytes), model_sha(params, r)) == straight[r - 1]
 
 
-def test_a_manifest_without_an_update_still_reads():
-    """Manifests written before updates were published have no `update` field."""
-    old = {
-        "schema_version": 1,
+def test_a_manifest_without_an_update_reads():
+    """Round 0 applied no update, so its manifest has no `update` field."""
+    doc = {
+        "schema_version": 2,
         "run": RUN,
         "round": 0,
         "parent_round": None,
@@ -108,18 +108,11 @@ def test_a_manifest_without_an_update_still_reads():
         "created_at": "2026-01-01T00:00:00.000+00:00",
         "model": {"key": "k", "sha256": "0" * 64, "bytes": 1},
         "outer": None,
-        "quorum": {
-            "min_quorum": 1,
-            "max_quorum": 1,
-            "received": 0,
-            "learners": [],
-            "waited_s": 0.0,
-            "closed_by": "initial",
-        },
-        "hyper": {},
+        "settings": {"merge": {}, "quorum": {"min_quorum": 1}, "num_learners": 1},
+        "quorum": {"received": 0, "learners": [], "waited_s": 0.0, "closed_by": "initial"},
         "eval_loss": 5.0,
     }
-    assert Manifest.from_bytes(json.dumps(old).encode()).update is None
+    assert Manifest.from_bytes(json.dumps(doc).encode()).update is None
 
 
 def test_cache_keys_keep_the_round_and_the_content_address():

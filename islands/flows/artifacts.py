@@ -79,15 +79,15 @@ def witness_key(run: str, round_: int) -> str:
 
 def publish_round_artifacts(manifest: Manifest, manifest_url: str, sha256: str) -> None:
     """The round's table, its manifest link and the witness of its manifest's sha256."""
-    q = manifest.quorum
+    q, rule = manifest.quorum, manifest.settings
     key = f"{manifest.run}-round-{manifest.round:03d}"
     link = browser_url(manifest_url)
     create_table_artifact(
         round_table(manifest),
         key=key,
         description=(
-            f"{manifest.run} round {manifest.round}: closed by {q.closed_by} with {q.received}/{q.max_quorum} learners "
-            f"(Q_min {q.min_quorum}) after {q.waited_s:.1f} s; eval loss {loss_text(manifest.eval_loss)}; "
+            f"{manifest.run} round {manifest.round}: closed by {q.closed_by} with {q.received}/{rule.max_quorum} learners "
+            f"(Q_min {rule.quorum.min_quorum}) after {q.waited_s:.1f} s; eval loss {loss_text(manifest.eval_loss)}; "
             f"{len(manifest.excluded)} excluded. Manifest: [{manifest_url}]({link})"
         ),
     )
@@ -162,10 +162,10 @@ def report_markdown(summary: dict, rows: list[dict], manifests: list[Manifest], 
         "|---|---|---|---|---|---|---|",
     ]
     for r, m in zip(rows, manifests[1:]):
-        q = m.quorum
+        q, rule = m.quorum, m.settings
         excluded = "; ".join(r["excluded"]) or "—"
         lines.append(
-            f"| {r['round']} | {r['closed_by']} | {q.received}/{q.max_quorum} (Q_min {q.min_quorum}) | {r['waited_s']:.1f} "
+            f"| {r['round']} | {r['closed_by']} | {q.received}/{rule.max_quorum} (Q_min {rule.quorum.min_quorum}) | {r['waited_s']:.1f} "
             f"| {r['learners']} | {excluded} | {loss_text(r['eval_loss'])} |"
         )
     lines += ["", "## Bytes sent", "", "| who | wrote | read |", "|---|---|---|"]

@@ -56,7 +56,6 @@ from islands.storage.store import (
 )
 
 LEDGER = ("trained", "applied", "capped", "dropped", "pending", "lost")
-RULE_FIELDS = ("outer_lr", "outer_momentum", "staleness_lambda", "max_staleness", "token_cap")
 
 
 @dataclass(frozen=True)
@@ -392,7 +391,7 @@ class _Audit:
                 f"round {r} not replayed: its own or its parent's checkpoint failed the checks above"
             )
             return
-        rule = MergeSettings(**{k: m.hyper[k] for k in RULE_FIELDS})
+        rule = m.settings.merge
         if not self.plan_matches(r, current.key, m, rule):
             return
         deltas = [self.delta_tensors(c.region, c.key, c.sha256) for c in m.contributions]

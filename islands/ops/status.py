@@ -74,7 +74,7 @@ def round_row(m: Manifest) -> dict:
         "round": m.round,
         "closed_by": m.quorum.closed_by,
         "received": m.quorum.received,
-        "max_quorum": m.quorum.max_quorum,
+        "max_quorum": m.settings.max_quorum,
         "contributors": [f"{c.learner}@s{c.staleness}" for c in m.contributions],
         "excluded": [f"{e.key}: {e.reason}" for e in m.excluded],
         "eval_loss": m.eval_loss,

@@ -13,7 +13,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-SCHEMA_VERSION = 1
+from islands.core.config import MergeSettings, QuorumSettings, RunConfig
+
+SCHEMA_VERSION = 2
+
+
+class SchemaVersionError(ValueError):
+    """A manifest of a schema_version this code does not read (written by another version of islands)."""
 
 
 class _Strict(BaseModel):
@@ -70,11 +76,30 @@ class Excluded(_Strict):
     sha256: str | None = None
 
 
+class RoundSettings(_Strict):
+    """The settings a round ran with: the merge rule (what `audit --replay` recomputes the round
+    with) and the quorum rule, as the run's config gave them, and the run's number of learners,
+    which an unset quorum.max_quorum stands for."""
+
+    merge: MergeSettings
+    quorum: QuorumSettings
+    num_learners: int
+
+    @classmethod
+    def of(cls, config: RunConfig) -> RoundSettings:
+        return cls(merge=config.merge, quorum=config.quorum, num_learners=config.num_learners)
+
+    @property
+    def max_quorum(self) -> int:
+        """Q_max as the round applied it: the setting, else every learner."""
+        return self.quorum.max_quorum or self.num_learners
+
+
 class Quorum(_Strict):
-    min_quorum: int
-    max_quorum: int
-    received: int
-    learners: list[str]
+    """What the round's quorum decided; the rule it applied is the manifest's settings.quorum."""
+
+    received: int  # learners with a delta merged
+    learners: list[str]  # those learners; in round 0, every learner of the run
     waited_s: float
     closed_by: Literal["all-in", "quorum+grace", "timeout", "initial"]
 
@@ -92,7 +117,7 @@ class Evaluation(_Strict):
 
 
 class Manifest(_Strict):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = SCHEMA_VERSION  # from_bytes reads this one only
     run: str
     round: int
     parent_round: int | None
@@ -103,15 +128,24 @@ class Manifest(_Strict):
     update: EncodedRef | None = None  # θ_r − θ_{r−1} as applied; absent in round 0
     contributions: list[Contribution] = []
     excluded: list[Excluded] = []
+    settings: RoundSettings
     quorum: Quorum
-    hyper: dict[str, float | int | str]
     eval_loss: float | None = None  # round 0's held-out loss; a later round's is in its Evaluation
     timings: dict[str, float] = {}
     tokens_applied: int = 0  # tokens of every delta merged into rounds 1…r: the run's progress
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
-        return cls.model_validate(json.loads(data))
+        """Parse and validate a stored manifest; SchemaVersionError (a ValueError, as JSON and
+        validation errors are) when it is of a schema_version this code does not read."""
+        doc = json.loads(data)
+        if isinstance(doc, dict) and doc.get("schema_version") != SCHEMA_VERSION:
+            found = f"schema_version {doc['schema_version']!r}" if "schema_version" in doc else "no schema_version"
+            raise SchemaVersionError(
+                f"manifest has {found}, and this version of islands reads schema_version {SCHEMA_VERSION} only; "
+                "read it with the version that wrote it"
+            )
+        return cls.model_validate(doc)
 
     def consumed(self) -> set[tuple[str, str]]:
         """(region, delta key) of every delta this round used up: merged, quarantined or dropped.

@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from islands.core.config import RunConfig
 from islands.core.model import build_model, params_of
 from islands.storage import layout
-from islands.storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum
+from islands.storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum, RoundSettings
 from islands.storage.model_files import local_model
 from islands.storage.rounds import checkpoint_metadata, put_encoded, put_tensors, put_update, read_manifest
 from islands.storage.store import ObjectStore, Stores, sha256_hex
@@ -40,26 +40,6 @@ class Published:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-def hyper(config: RunConfig) -> dict:
-    m, q = config.merge, config.quorum
-    return {
-        "outer_lr": m.outer_lr,
-        "outer_momentum": m.outer_momentum,
-        "staleness_lambda": m.staleness_lambda,
-        "max_staleness": m.max_staleness,
-        "token_cap": m.token_cap,
-        "norm_limit": m.norm_limit,
-        "inner_steps": config.inner_steps,
-        "min_quorum": q.min_quorum,
-        "max_quorum": config.max_quorum,
-        "grace_max_s": q.grace_max_s,
-        "grace_fraction": q.grace_fraction,
-        "round_timeout_s": q.round_timeout_s,
-        "model": config.model,
-        "codec": config.codec,
-    }
 
 
 def round_store(config: RunConfig, stores: Stores) -> ObjectStore:
@@ -97,15 +77,8 @@ def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
         created_at=_now(),
         model=ref,
         outer=None,
-        quorum=Quorum(
-            min_quorum=config.quorum.min_quorum,
-            max_quorum=config.max_quorum,
-            received=0,
-            learners=learners,
-            waited_s=0.0,
-            closed_by="initial",
-        ),
-        hyper=hyper(config),
+        settings=RoundSettings.of(config),
+        quorum=Quorum(received=0, learners=learners, waited_s=0.0, closed_by="initial"),
         eval_loss=loss,
     )
     return commit(store, manifest)
@@ -151,15 +124,13 @@ def publish(state: RoundState, collected: Collected, merged: Merged, timings: di
         contributions=merged.contributions,
         excluded=merged.excluded,
         tokens_applied=parent.tokens_applied + sum(c.tokens_counted for c in merged.contributions),
+        settings=RoundSettings.of(state.config),
         quorum=Quorum(
-            min_quorum=state.config.quorum.min_quorum,
-            max_quorum=state.config.max_quorum,
             received=len({c.learner for c in merged.contributions}),
             learners=sorted({c.learner for c in merged.contributions}),
             waited_s=round(collected.waited_s, 3),
             closed_by=collected.decision.reason or "timeout",
         ),
-        hyper=hyper(state.config),
         timings={**timings, "publish_s": round(time.perf_counter() - t0, 3)},
     )
     published = commit(round_store(state.config, state.stores), manifest)
