@@ -29,15 +29,15 @@ import fsspec
 import torch
 
 from benchmarks.report import Result, Row, at_least, at_most, figure, standalone
-from islands.core.config import RunConfig
+from islands.core.config import EMBEDDED_STORE, GLOBAL_BUCKET, RunConfig, embedded_buckets
 from islands.core.model import GPT, GPTConfig
 from islands.storage import layout
 from islands.storage.codec import encode
 from islands.storage.manifest import ObjectRef
 from islands.storage.rounds import get_tensors, put_tensors
-from islands.storage.store import Stores
+from islands.storage.store import Stores, bucket_url
 
-STORE = "s3://islands-{bucket}"
+STORE = EMBEDDED_STORE
 REGIONS = ["east", "west"]
 FULL = GPTConfig(vocab_size=256, block_size=1024, n_layer=14, n_head=12, n_embd=768)
 QUICK = GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=256)
@@ -147,11 +147,11 @@ def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
     t3 = time.perf_counter()
     raw = [("start", cpu_s(server_pid))]
     for region, key, _ in refs["deltas"]:
-        s3.get_object(Bucket=f"islands-{region}", Key=key)["Body"].read()
+        s3.get_object(Bucket=bucket_url(STORE, region).removeprefix("s3://"), Key=key)["Body"].read()
     t_raw_read = time.perf_counter()
     raw.append(("raw_read", cpu_s(server_pid)))
     for i, body in enumerate(bodies):
-        s3.put_object(Bucket="islands-global", Key=f"raw/{run}/{i}", Body=body)
+        s3.put_object(Bucket=bucket_url(STORE, GLOBAL_BUCKET).removeprefix("s3://"), Key=f"raw/{run}/{i}", Body=body)
     t4 = time.perf_counter()
     raw.append(("raw_write", cpu_s(server_pid)))
     moved = sum(size for _, _, size in refs["deltas"]) + sum(w.bytes for w in written)
@@ -212,7 +212,7 @@ def measure_on(server, cfg: GPTConfig, ks: tuple[int, ...]) -> dict[str, dict]:
     url = server.start(env)
     raw = {}
     try:
-        create_buckets(url, ["islands-global", *(f"islands-{r}" for r in REGIONS)])
+        create_buckets(url, embedded_buckets(REGIONS))
         env["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"] = url
         # s3fs clients are cached per process: drop those bound to another endpoint.
         fsspec.get_filesystem_class("s3").clear_instance_cache()

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.heldout import BATCH, CORPUS, EVAL_BATCHES, PRESET
 from islands.core.codecs import Codec
-from islands.core.config import load_config
+from islands.core.config import EMBEDDED_STORE, embedded_buckets, load_config
 from islands.storage import layout
 from islands.storage.manifest import Manifest, Quorum, RoundSettings
 from islands.storage.rounds import get_tensors, object_metadata, put_tensors, read_chain, with_eval_losses
@@ -34,7 +34,7 @@ from islands.storage.store import Stores
 from islands.tasks.publish import commit
 
 REGIONS = ("us-east", "eu-west", "ap-south", "sa-east")
-STORE = "s3://islands-{bucket}"
+STORE = EMBEDDED_STORE
 _STACK: dict = {}  # the running stack: stack, home, env
 _EXIT_HOOKS = False
 
@@ -47,7 +47,7 @@ def stack_env() -> dict[str, str]:
         from islands.infra.stack import LocalStack
 
         home = Path(tempfile.mkdtemp(prefix="islands-bench-"))
-        stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in REGIONS)], keep=False).start(record=True)
+        stack = LocalStack(home, embedded_buckets(REGIONS), keep=False).start(record=True)
         if not _EXIT_HOOKS:
             atexit.register(new_stack)
             # SIGTERM (a timeout, `kill`) ends the process through atexit too, so no server is left behind.

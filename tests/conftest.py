@@ -58,9 +58,7 @@ STACK_REGIONS = ["north", "south"]
 
 def run_args(run_id: str, regions: list[str], rounds: int) -> list[str]:
     """`islands run`'s arguments for the tests' short runs: phases of 8 steps, a quorum of one."""
-    return (
-        f"run --run-id {run_id} --regions {','.join(regions)} --rounds {rounds} --inner-steps 8 --min-quorum 1".split()
-    )
+    return f"run --run-id {run_id} --regions {','.join(regions)} --rounds {rounds} --inner-steps 8 --quorum.min-quorum 1".split()
 
 
 @pytest.fixture(scope="session")

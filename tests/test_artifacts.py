@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from islands.core.config import MergeSettings, QuorumSettings
-from islands.flows import cli
+from islands.flows import cli, commands
 from islands.flows.artifacts import browser_url, loss_curves, report_markdown, round_table
 from islands.ops import status
 from islands.ops.plot import data_uri, line_chart
@@ -204,5 +204,5 @@ def test_a_watch_waits_for_the_run_and_ends_once_it_is_finished(monkeypatch):
 
 
 def test_a_watch_needs_seconds_between_looks(capsys):
-    assert cli.main(["status", "r", "--watch", "0"]) == cli.EXIT_CONFIG
+    assert cli.main(["status", "r", "--watch", "0"]) == commands.EXIT_CONFIG
     assert "--watch 0: give the seconds between two looks" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def s3(on_stack, tmp_path_factory):
         "3",
         "--inner-steps",
         "5",
-        "--min-quorum",
+        "--quorum.min-quorum",
         "2",
     ]
     proc = subprocess.run(cmd, env={**os.environ, **on_stack}, capture_output=True, text=True, timeout=300)

@@ -41,7 +41,7 @@ def test_chaos_run_completes_and_the_books_balance(tmp_path):
         str(ROUNDS),
         "--inner-steps",
         "10",
-        "--min-quorum",
+        "--quorum.min-quorum",
         "2",
         "--chaos",
         ",".join(CHAOS),

@@ -258,7 +258,7 @@ def test_islands_run_refuses_a_store_that_ignores_if_none_match_in_one_line(rclo
         "s3://rc-{bucket}",
         "--regions",
         "solo",
-        "--min-quorum",
+        "--quorum.min-quorum",
         "1",
     ]
     proc = subprocess.run([*cmd, "--run-id", "refused-run"], env=env, capture_output=True, text=True, timeout=180)

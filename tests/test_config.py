@@ -1,6 +1,7 @@
 """Run configuration: defaults, derived values, and every bad configuration refused with one clear
 line and exit status 2 before anything is written."""
 
+import argparse
 import socket
 import uuid
 from pathlib import Path
@@ -8,10 +9,18 @@ from pathlib import Path
 import boto3
 import pytest
 import s3fs
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
-from islands.core.config import ConfigError, RunConfig, load_config
-from islands.flows import cli
+from islands.core.config import (
+    ConfigError,
+    InnerSettings,
+    MergeSettings,
+    QuorumSettings,
+    RunConfig,
+    load_config,
+)
+from islands.flows import cli, commands, run_flags
+from islands.flows.run_flags import overrides
 
 # -- the model itself -----------------------------------------------------------------------------
 
@@ -137,7 +146,7 @@ def test_cli_overrides_map_flags_to_fields():
     args = cli.parser().parse_args(
         [
             "run",
-            "--min-quorum",
+            "--quorum.min-quorum",
             "2",
             "--inner-steps",
             "7",
@@ -153,9 +162,12 @@ def test_cli_overrides_map_flags_to_fields():
             "5000",
             "--eval-every",
             "0",
+            "--no-carry",
+            "--inner.lr",
+            "3e-4",
         ]
     )
-    assert cli.overrides(args) == {
+    assert overrides(args) == {
         "quorum.min_quorum": 2,
         "inner_steps": 7,
         "codec": "bf16",
@@ -163,13 +175,50 @@ def test_cli_overrides_map_flags_to_fields():
         "token_budget": 5000,
         "eval_every": 0,
         "speed": {"us-east": 0.5, "eu-west": 1.0},
+        "carry": False,
+        "inner.lr": 3e-4,
     }
     # other regions without --speed: the demo's eu-west slowdown no longer applies
     args = cli.parser().parse_args(["run", "--regions", "a-1, b-2"])
-    assert cli.overrides(args) == {"regions": ["a-1", "b-2"]}
-    config = load_config(None, cli.overrides(args))
+    assert overrides(args) == {"regions": ["a-1", "b-2"]}
+    config = load_config(None, overrides(args))
     assert config.regions == ["a-1", "b-2"] and config.speed == {}
     assert load_config(None, {"regions": ["eu-west", "x-1"]}).speed == {"eu-west": 0.33}
+
+
+def test_every_setting_has_one_flag_spelled_as_its_key():
+    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {o for action in sub.choices["run"]._actions for o in action.option_strings}
+    sections = {"inner": InnerSettings, "merge": MergeSettings, "quorum": QuorumSettings}
+    keys = [k for k in RunConfig.model_fields if k not in sections]
+    keys += [f"{s}.{k}" for s, model in sections.items() for k in model.model_fields]
+    assert [p for p, _ in run_flags.fields()] == keys
+    for key in keys:
+        assert "--" + key.replace("_", "-") in flags, key
+
+
+def test_a_new_field_of_a_copy_of_runconfig_gets_its_flag():
+    """A setting is one line: a field added to RunConfig (or a section) is a flag with its help."""
+
+    class Quorum(QuorumSettings):
+        patience_s: float = Field(3.0, ge=0, description="How long to be patient.")
+
+    class Config(RunConfig):
+        shiny_new: int = Field(5, ge=1, description="A brand-new setting.")
+        tags: dict[str, float] = Field({}, description="Per-region numbers.")
+        quorum: Quorum = Quorum()
+
+    p = argparse.ArgumentParser()
+    run_flags.add_run_flags(p, Config)
+    assert "A brand-new setting." in p.format_help() and "How long to be patient." in p.format_help()
+    args = p.parse_args(["--shiny-new", "9", "--quorum.patience-s", "1.5", "--tags", "a-1=2", "--inner-steps", "3"])
+    assert run_flags.overrides(args, Config) == {
+        "shiny_new": 9,
+        "quorum.patience_s": 1.5,
+        "tags": {"a-1": 2.0},
+        "inner_steps": 3,
+    }
+    assert run_flags.overrides(p.parse_args([]), Config) == {}
 
 
 # -- the command line refuses bad configurations ---------------------------------------------------
@@ -190,8 +239,8 @@ def cli_env(tmp_path, monkeypatch):
     def no_deployment(*args, **kwargs):
         raise AssertionError("preflight should have refused the store before waiting for learners")
 
-    monkeypatch.setattr(cli, "bring_up", no_stack)
-    monkeypatch.setattr(cli, "wait_for_learner_deployment", no_deployment)
+    monkeypatch.setattr(commands, "bring_up", no_stack)
+    monkeypatch.setattr(commands, "wait_for_learner_deployment", no_deployment)
     return tmp_path
 
 
@@ -203,7 +252,7 @@ def refused(argv: list[str], capsys, root: Path, monkeypatch=None) -> str:
     """Run the CLI, expect exit status 2 and exactly one error line, and nothing written."""
     before = files_under(root)
     if monkeypatch is not None:
-        monkeypatch.setattr(cli, "execute", lambda *a, **k: pytest.fail("a bad config reached execute()"))
+        monkeypatch.setattr(commands, "execute", lambda *a, **k: pytest.fail("a bad config reached execute()"))
     code = cli.main(argv)
     err = capsys.readouterr().err
     # the in-process S3 server's request log may share stderr; the CLI's own lines start with "islands:"
@@ -219,7 +268,7 @@ def refused(argv: list[str], capsys, root: Path, monkeypatch=None) -> str:
 
 
 def test_min_quorum_above_learners(cli_env, capsys, monkeypatch):
-    line = refused(["run", "--min-quorum", "9"], capsys, cli_env, monkeypatch)
+    line = refused(["run", "--quorum.min-quorum", "9"], capsys, cli_env, monkeypatch)
     assert "quorum.min_quorum" in line
     assert "9 is more than the 4 learners" in line
 
@@ -237,13 +286,13 @@ def test_speed_of_unknown_region(cli_env, capsys, monkeypatch):
 
 
 def test_speed_that_is_not_a_number(cli_env, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "execute", lambda *a, **k: pytest.fail("a bad config reached execute()"))
+    monkeypatch.setattr(commands, "execute", lambda *a, **k: pytest.fail("a bad config reached execute()"))
     before = files_under(cli_env)
     with pytest.raises(SystemExit) as info:
         cli.main(["run", "--speed", "eu-west=abc"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "--speed takes REGION=FACTOR" in err
+    assert "--speed: takes KEY=NUMBER" in err
     assert "'eu-west=abc'" in err
     assert files_under(cli_env) == before
 
@@ -287,7 +336,7 @@ def test_config_that_is_a_folder(cli_env, capsys, monkeypatch):
 def test_section_given_as_scalar_with_an_override(cli_env, capsys, monkeypatch):
     path = cli_env / "work" / "run.toml"
     path.write_text("quorum = 3\n")
-    line = refused(["run", "--config", str(path), "--min-quorum", "2"], capsys, cli_env, monkeypatch)
+    line = refused(["run", "--config", str(path), "--quorum.min-quorum", "2"], capsys, cli_env, monkeypatch)
     assert "quorum" in line
 
 
@@ -332,7 +381,7 @@ def test_unreachable_endpoint_exits_2_naming_it(s3_endpoint, cli_env, capsys, mo
 
 def test_file_store_folders_are_created_and_count_as_reachable(tmp_path):
     cfg = RunConfig(regions=["us-east", "eu-west"], speed={}, store=f"file://{tmp_path}/islands-{{bucket}}")
-    cli.preflight(cfg)
+    commands.preflight(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["islands-eu-west", "islands-global", "islands-us-east"]
     assert all(not any(p.iterdir()) for p in tmp_path.iterdir())  # folders only, no objects
 

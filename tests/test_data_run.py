@@ -81,7 +81,7 @@ def test_a_run_trains_on_the_shards_for_three_rounds_in_two_regions(prepared, en
         "3",
         "--inner-steps",
         "4",
-        "--min-quorum",
+        "--quorum.min-quorum",
         "2",
         "--json",
     )

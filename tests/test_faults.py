@@ -174,7 +174,7 @@ def test_the_proxy_holds_traffic_while_paused_and_lets_it_through_after():
 
 def test_checking_faults_imports_no_prefect_before_the_stack_settings_exist():
     code = (
-        "import sys, islands.flows.cli as c; "
+        "import sys, islands.flows.commands as c; "
         "assert c.check_faults(c.RunConfig(), ['kill:eu-west@round2,stall:s3@1s+1s']) is None; "
         "assert 'prefect' not in sys.modules, 'Prefect would read its settings before the stack sets them'"
     )

@@ -26,6 +26,8 @@ from pydantic.fields import FieldInfo
 from islands.core.codecs import FLOAT_CODECS, INTEGER_CODECS, Codec
 
 DEMO_SPEED = {"eu-west": 0.33}
+# The bucket of checkpoints and manifests; every other bucket is a region's, named after it.
+GLOBAL_BUCKET = "global"
 # Where a run without `store` keeps its buckets: the embedded S3 endpoint (AWS_ENDPOINT_URL).
 EMBEDDED_STORE = "s3://islands-{bucket}"
 # Run and region names: they become bucket names and key segments, so plain ASCII of a fixed form.
@@ -249,9 +251,9 @@ class RunConfig(BaseModel):
     def _regions(cls, v: list[str]) -> list[str]:
         if not v:
             raise ValueError("give at least one region")
-        bad = [r for r in v if not _NAME.fullmatch(r) or r == "global"]
+        bad = [r for r in v if not _NAME.fullmatch(r) or r == GLOBAL_BUCKET]
         if bad:
-            raise ValueError(f"{bad} cannot name a region: use {NAME_RULE}, and not 'global'")
+            raise ValueError(f"{bad} cannot name a region: use {NAME_RULE}, and not '{GLOBAL_BUCKET}'")
         if len(set(v)) != len(v):
             raise ValueError("regions must be distinct")
         return v
@@ -357,6 +359,11 @@ class RunConfig(BaseModel):
 
 def store_template(config: RunConfig) -> str:
     return config.store or EMBEDDED_STORE
+
+
+def embedded_buckets(regions: list[str]) -> list[str]:
+    """The embedded S3 endpoint's bucket names: the global bucket's, then each region's."""
+    return [EMBEDDED_STORE.removeprefix("s3://").format(bucket=b) for b in (GLOBAL_BUCKET, *regions)]
 
 
 def new_run_id() -> str:

@@ -24,6 +24,7 @@ import json
 import re
 from pathlib import Path
 
+from islands.core.config import EMBEDDED_STORE, GLOBAL_BUCKET
 from islands.storage.store import bucket_url
 
 ROLES = ("learner", "synchronizer")
@@ -43,7 +44,7 @@ def policy(role: str, run: str, template: str, regions: list[str], learner: str 
     (`<region>-<index>`, as the run names its learners); the synchronizer's names every region."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
-    fixed = {"${GlobalBucket}": bucket_name(template, "global"), "${Run}": run}
+    fixed = {"${GlobalBucket}": bucket_name(template, GLOBAL_BUCKET), "${Run}": run}
     if role == "learner":
         if len(regions) != 1:
             raise ValueError(f"a learner's policy names exactly one region, got {regions}")
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run", required=True, help="run id, or '*' for every run")
     p.add_argument("--regions", required=True, help="the learner's region, or every region for the synchronizer")
     p.add_argument("--learner", help="the learner the policy is for (learner role), e.g. us-east-0")
-    p.add_argument("--store", default="s3://islands-{bucket}", help="bucket URL template")
+    p.add_argument("--store", default=EMBEDDED_STORE, help="bucket URL template")
     args = p.parse_args(argv)
     try:
         doc = policy(args.role, args.run, args.store, args.regions.split(","), args.learner)

@@ -38,8 +38,6 @@ import re
 
 from islands.core.config import NAME
 
-GLOBAL_BUCKET = "global"
-
 
 def run_prefix(run: str) -> str:
     return f"runs/{run}/"

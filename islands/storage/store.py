@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import BinaryIO, Protocol
 
+from islands.core.config import GLOBAL_BUCKET
+
 CHUNK_BYTES = 16 * 2**20  # one copied or uploaded block of a large object
 # One block of a streamed download. Two deltas are read at once, each with a block in use and
 # the next in flight: at 4 MiB that stays small beside the model, and reads are no slower.
@@ -267,7 +269,7 @@ class Stores:
     def __init__(self, template: str, regions: list[str], storage_options: dict | None = None):
         opts = storage_options or {}
         self.template = template
-        self.global_ = ObjectStore(bucket_url(template, "global"), opts)
+        self.global_ = ObjectStore(bucket_url(template, GLOBAL_BUCKET), opts)
         self.regions = {r: ObjectStore(bucket_url(template, r), opts) for r in regions}
 
     def region(self, name: str) -> ObjectStore:

@@ -1,0 +1,312 @@
+"""What each `islands` command does, once its flags are parsed (islands.flows.cli).
+
+Exit status: 0 done, 1 the run failed, 2 bad configuration or unusable storage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import ExitStack
+
+from islands.core.config import ConfigError, RunConfig, embedded_buckets, load_config, new_run_id, store_template
+from islands.flows.bring_up import adopt, bring_up, on_embedded_prefect, open_run, wait_for_learner_deployment
+from islands.flows.run_flags import overrides
+
+EXIT_CONFIG = 2
+
+
+def fail(message: str, code: int = EXIT_CONFIG) -> int:
+    for line in message.splitlines():
+        print(f"islands: {line}", file=sys.stderr)
+    return code
+
+
+def preflight(config: RunConfig) -> None:
+    """Before anything is written: every bucket must answer, and the store must refuse a second
+    create-only write of one key (and keep objects under retention, with object_lock_days)."""
+    from islands.flows.buckets import prepare_buckets
+    from islands.storage.store import Stores
+
+    prepare_buckets(config, Stores(store_template(config), config.regions))
+
+
+def check_data(config: RunConfig) -> None:
+    """Before anything is written: the corpus and tokenizer exist and fit the model (ValueError, one line)."""
+    from islands.core.model import spec_vocab_and_context
+    from islands.storage.corpus import check_corpus
+    from islands.storage.model_files import local_model
+
+    vocab, _ = spec_vocab_and_context(local_model(config.model), config.seed)
+    check_corpus(config.corpus, config.eval_corpus, config.tokenizer, vocab)
+
+
+def check_model_spec(config: RunConfig) -> str | None:
+    """What is wrong with the run's `model`, before anything is written (islands.core.model.check_model)."""
+    from islands.core.model import ModelError, check_model
+    from islands.storage.model_files import local_model
+
+    try:
+        check_model(local_model(config.model))
+    except ModelError as exc:
+        return str(exc)
+    return None
+
+
+def check_faults(config: RunConfig, chaos: list[str]) -> str | None:
+    """What is wrong with --chaos or $ISLANDS_CRASH for this run, before anything starts."""
+    from islands.flows.chaos import Chaos, ChaosError
+    from islands.tasks.crash import CrashSpecError, armed
+
+    try:
+        armed()
+        Chaos.parse(chaos).check(config.regions, config.rounds)
+    except (ChaosError, CrashSpecError) as exc:
+        return str(exc)
+    return None
+
+
+def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, stack: tuple | None = None) -> int:
+    """Run (or continue) `config` against the embedded stack or the configured store; `stack`
+    is what `bring_up` gave the caller, when it brought the stack up already."""
+    from islands.flows.chaos import Chaos
+    from islands.infra.s3_proxy import S3Proxy
+    from islands.storage.store import StoreError
+
+    stalls = Chaos.parse(chaos or []).stalls
+    proxies: list[S3Proxy] = []
+    with ExitStack() as scope:
+
+        def s3_front(url: str) -> str:
+            proxies.append(scope.enter_context(S3Proxy(url)))
+            return proxies[0].url
+
+        if stalls and config.store is not None:
+            return fail("--chaos stall:s3 works on the embedded S3 endpoint only; drop --store")
+        if stack is not None:
+            reused = stack[1]
+        elif config.store is None or on_embedded_prefect():
+            try:
+                env, reused = bring_up(
+                    scope,
+                    embedded_buckets(config.regions),
+                    s3_front if stalls else None,
+                    s3=config.store is None,
+                )
+            except ConfigError as exc:
+                return fail(str(exc))
+            adopt(env)
+        else:
+            reused = True
+        try:
+            check_data(config)
+            preflight(config)
+        except (StoreError, ValueError) as exc:
+            return fail(str(exc))
+        if "{region}" not in config.learner_deployment and "{learner}" not in config.learner_deployment:
+            wait_for_learner_deployment(config.learner_deployment)
+        from islands.flows.training_run import training_run
+
+        for stall in stalls:
+            proxies[0].stall(stall.at_s, stall.for_s)
+        summary = training_run(config, chaos or None)
+        for stall in stalls:
+            print(
+                f"islands: chaos: S3 stalled for {stall.for_s:g} s from {stall.at_s:g} s into the run; "
+                f"{proxies[0].held} transfers were held and went through after it",
+                file=sys.stderr,
+            )
+        ui = os.environ.get("ISLANDS_UI_URL")
+        if ui:
+            hint = f"open {ui}" if reused else "run `islands up` to browse it again (with its S3 buckets)"
+            print(f"Prefect UI: {hint}; flow runs are named {summary['run_id']}/round-NNN", file=sys.stderr)
+    if as_json:
+        print(json.dumps(summary))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, overrides(args))
+    except ConfigError as exc:
+        return fail(str(exc))
+    if config.run_id is None:
+        config = config.model_copy(update={"run_id": new_run_id()})
+    problem = check_faults(config, args.chaos or []) or check_model_spec(config)
+    return fail(problem) if problem else execute(config, args.json, args.chaos)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Tokenize SRC into shards under DST, showing a progress bar over the text."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from islands.storage.prepare import groups, prepare
+    from islands.storage.tokenizer import load_tokenizer
+
+    if not args.shard_mb > 0:
+        return fail(f"--shard-mb {args.shard_mb:g}: give the megabytes of text per shard, more than 0")
+    shard_bytes = int(args.shard_mb * 1e6)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer, "--tokenizer")
+        plan = groups(args.src, tokenizer, shard_bytes)
+    except ValueError as exc:
+        return fail(str(exc))
+    columns = (TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[shards]}"))
+    with Progress(*columns, TimeRemainingColumn(), transient=False) as bar:
+        task = bar.add_task("prepare", total=sum(g.bytes for g in plan), shards=f"0/{len(plan)} shards")
+        done = skipped = 0
+
+        def on_shard(size: int, made: bool) -> None:
+            nonlocal done, skipped
+            done += 1
+            skipped += not made
+            bar.update(task, advance=size, shards=f"{done}/{len(plan)} shards, {skipped} already there")
+
+        dataset, made = prepare(plan, args.dst, tokenizer, args.tokenizer, args.workers, on_shard)
+    tokens = sum(s.tokens for s in dataset.shards)
+    print(
+        f"islands: {args.dst}: {len(dataset.shards)} shards ({made} written, {len(dataset.shards) - made} already "
+        f"there), {tokens:,} {dataset.dtype} tokens, tokenizer {dataset.tokenizer.name} "
+        f"(vocabulary {dataset.tokenizer.vocab_size})"
+    )
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    with ExitStack() as scope:
+        try:
+            _, config, stack = open_run(scope, args.run_id, args.store)
+        except ConfigError as exc:
+            return fail(str(exc))
+        problem = check_faults(config, [])
+        return fail(problem) if problem else execute(config, args.json, stack=stack)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from islands.infra.stack import LocalStack, default_data_dir
+
+    regions = args.regions.split(",") if args.regions else RunConfig().regions
+    buckets = embedded_buckets(regions)
+    with LocalStack(default_data_dir(), buckets).start(record=True) as stack:
+        print(f"S3 endpoint : {stack.s3_url}   (AWS_ENDPOINT_URL; buckets {', '.join(buckets)})")
+        print(f"Prefect API : {stack.api_url}")
+        print(f"Prefect UI  : {stack.ui_url}")
+        print("Learner runner serving deployment learner/local. Ctrl-C stops everything.", flush=True)
+        while True:
+            time.sleep(3600)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, {})
+    except ConfigError as exc:
+        return fail(str(exc))
+    scheduled = args.interval is not None or args.cron is not None
+    if scheduled and config.run_id is not None:
+        return fail(
+            f"run_id: fixed to {config.run_id!r}, so every scheduled run would continue that one run; "
+            "remove run_id from the config so each run gets a fresh one"
+        )
+    with ExitStack() as scope:
+        embedded = on_embedded_prefect()
+        if embedded:
+            env, _ = bring_up(scope, embedded_buckets(config.regions))
+            adopt(env)
+            print(f"Prefect UI: {env['ISLANDS_UI_URL']}", file=sys.stderr)
+        # Prefect reads its settings when first imported: only after the stack's are in place.
+        from islands.flows.serve import driver_deployments, learner_deployment, serve_deployments
+
+        deployments = driver_deployments(config, args.interval, args.cron)
+        if not embedded:  # the embedded stack's own runner serves learner/local already
+            deployments.append(learner_deployment())
+        names = ", ".join(d.full_name for d in deployments)
+        print(f"islands: serving {names}; Ctrl-C stops", file=sys.stderr, flush=True)
+        serve_deployments(deployments)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from islands.ops.status import NoSuchRun, render, run_status, watch
+    from islands.storage.store import StoreError
+
+    try:
+        if args.watch is None:
+            reports = [run_status(args.run_id, args.store)]
+        elif not args.watch > 0:
+            return fail(f"--watch {args.watch:g}: give the seconds between two looks, more than 0")
+        else:
+            reports = watch(args.run_id, args.store, args.watch)
+        waiting = None
+        for report in reports:
+            if isinstance(report, NoSuchRun):
+                if str(report) != waiting:  # once, not every look
+                    waiting = str(report)
+                    print(f"islands: {report}; waiting", file=sys.stderr, flush=True)
+            else:
+                print(json.dumps(report) if args.json else render(report) + ("\n" if args.watch else ""), flush=True)
+    except StoreError as exc:
+        return fail(str(exc))
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Exit 0 when every check holds, 1 naming each round and object that does not."""
+    from islands.ops.audit import audit_run
+    from islands.storage.store import Stores
+
+    with ExitStack() as scope:
+        try:
+            template, config, _ = open_run(scope, args.run_id, args.store)
+        except ConfigError as exc:
+            return fail(str(exc))
+        from islands.ops.witness import read_witness
+
+        stores = Stores(template, config.regions)
+        report = audit_run(stores, args.run_id, args.replay, read_witness(args.run_id, stores.global_.url))
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Exit 0 once OUT holds the round, 2 when OUT, the run or the round is not usable (nothing written)."""
+    from islands.core.model import ModelError
+    from islands.ops.export import ExportError, export_round
+    from islands.storage.store import IntegrityError, Stores
+    from islands.storage.tokenizer import TokenizerError
+
+    with ExitStack() as scope:
+        try:
+            template, _, _ = open_run(scope, args.run_id, args.store)
+            manifest, names = export_round(Stores(template, []), args.run_id, args.round, args.out)
+        except IntegrityError as exc:
+            return fail(f"{args.run_id}: the checkpoint does not match its manifest, nothing written ({exc})", 1)
+        except (ConfigError, ExportError, ModelError, TokenizerError) as exc:
+            return fail(str(exc))
+    print(f"islands: round {manifest.round} of {args.run_id} written to {args.out}: {', '.join(names)}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from islands.core.plan import Workload, check_lines, report
+
+    if args.check:
+        print("\n".join(check_lines()))
+        return 0
+    try:
+        w = Workload(
+            params=args.params,
+            step_s=args.step_time,
+            inner_steps=args.inner_steps,
+            replicas=args.replicas,
+            utilization=args.utilization,
+            delta_bits=args.bits,
+            checkpoint_bits=args.checkpoint_bits,
+            overlap_steps=args.inner_steps // max(args.fragments, 1) if args.overlap is None else args.overlap,
+        )
+        print("\n".join(report(w, args.link_gbps, args.checkpoint_bits, args.fragments)))
+    except ValueError as exc:
+        return fail(f"plan: {exc}")
+    return 0
