@@ -2,7 +2,9 @@
 line and exit status 2 before anything is written."""
 
 import argparse
+import math
 import socket
+import typing
 import uuid
 from pathlib import Path
 
@@ -70,7 +72,7 @@ def test_step_floor_names_known_regions_and_seconds():
     assert RunConfig(min_step_s={"eu-west": 0.5}).min_step_s == {"eu-west": 0.5}
     with pytest.raises(ValidationError, match="min_step_s: unknown region 'mars'"):
         RunConfig(min_step_s={"mars": 0.5})
-    with pytest.raises(ValidationError, match="must be seconds >= 0"):
+    with pytest.raises(ValidationError, match="must be seconds in \\[0, 3600\\]"):
         RunConfig(min_step_s={"eu-west": -1.0})
 
 
@@ -416,3 +418,32 @@ def test_names_are_matched_whole(name):
         RunConfig(regions=[name], speed={}, quorum={"min_quorum": 1})
     with pytest.raises(ValidationError, match="3–42 characters"):
         RunConfig(run_id=name)
+
+
+# -- every number is finite and bounded -------------------------------------------------------------
+
+
+def float_settings():
+    """(dotted path, whether it is a per-region table) of every float setting of RunConfig."""
+    for path, field in run_flags.fields():
+        if typing.get_origin(field.annotation) is dict:
+            if typing.get_args(field.annotation)[1] is float:
+                yield path, True
+        elif float in (field.annotation, *typing.get_args(field.annotation)):
+            yield path, False
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, 1e300, -1e300])
+def test_every_float_setting_is_finite_and_bounded(bad):
+    paths = list(float_settings())
+    assert len(paths) >= 15 and ("inner.lr", False) in paths and ("speed", True) in paths
+    for path, per_region in paths:
+        value = {"us-east": bad} if per_region else bad
+        with pytest.raises(ConfigError) as info:
+            load_config(None, {path: value})
+        assert str(info.value).startswith(path), (path, str(info.value))
+
+
+def test_polling_less_often_than_the_round_deadline_is_refused():
+    with pytest.raises(ConfigError, match=r"^quorum.poll_s: 30 s is longer than round_timeout_s 10 s"):
+        load_config(None, {"quorum.poll_s": 30, "quorum.round_timeout_s": 10})

@@ -40,22 +40,29 @@ class ConfigError(ValueError):
     """A configuration problem, phrased as one line naming the field and what to do."""
 
 
+# Every number of a run is finite and bounded: inf or nan in any float field, or a value past its
+# upper bound, is refused when the config is read, so a run that starts can always be resumed.
+_FINITE = ConfigDict(extra="forbid", allow_inf_nan=False)
+DAY_S = 86400.0
+MAX_STEP_S = 3600.0  # min_step_s: an hour per inner step is a rehearsal's slowest
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(**_FINITE, frozen=True)
 
 
 class InnerSettings(_Section):
     """Each learner's own optimizer (AdamW) and its schedule; its state never leaves the learner
     (DiLoCo, arXiv 2311.08105: syncing it gave nothing)."""
 
-    lr: float = Field(1e-3, gt=0, description="Peak inner AdamW learning rate.")
+    lr: float = Field(1e-3, gt=0, le=1, description="Peak inner AdamW learning rate.")
     warmup_steps: int = Field(50, ge=0, description="Linear warm-up, in inner steps.")
     total_steps: int = Field(600, gt=0, description="Inner steps over which the cosine decays to min_lr_ratio.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices and embeddings (0: none).")
+    weight_decay: float = Field(0.1, ge=0, le=1, description="AdamW weight decay on matrices and embeddings (0: none).")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay.")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip (0: none).")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Global gradient-norm clip (0: none).")
     batch_size: int = Field(16, gt=0, description="Sequences per inner step, over all of a learner's GPUs together.")
     micro_batch_size: int | None = Field(
         None,
@@ -89,12 +96,15 @@ class MergeSettings(_Section):
     outer_momentum: float = Field(
         0.8, ge=0, lt=1, description="Outer Nesterov momentum μ (0.8 beat the papers' 0.9 here, stale deltas or not)."
     )
-    staleness_lambda: float = Field(0.5, ge=0, description="Weight = tokens / (1 + λ·staleness).")
+    staleness_lambda: float = Field(0.5, ge=0, le=1e3, description="Weight = tokens / (1 + λ·staleness).")
     max_staleness: int = Field(4, ge=0, description="Deltas staler than this many rounds are dropped (recorded).")
-    token_cap: float = Field(2.0, ge=1, description="A token claim counts at most this × the median of its peers.")
+    token_cap: float = Field(
+        2.0, ge=1, le=1e3, description="A token claim counts at most this × the median of its peers."
+    )
     norm_limit: float = Field(
         10.0,
         gt=1,
+        le=1e6,
         description="A delta's L2 norm may be at most this × the median norm of the deltas merged in the last five rounds, and never above the model's own; with three or more in a round, also within this factor of the round's median, either way. Others are quarantined.",
     )
 
@@ -108,18 +118,24 @@ class QuorumSettings(_Section):
     max_quorum: int | None = Field(
         None, ge=1, description="Q_max: close at once with this many (default: every learner)."
     )
-    grace_max_s: float = Field(20.0, ge=0, description="Longest extra wait for learners expected soon after Q_min.")
+    grace_max_s: float = Field(
+        20.0, ge=0, le=DAY_S, description="Longest extra wait for learners expected soon after Q_min."
+    )
     grace_fraction: float | None = Field(
         0.5,
         ge=0,
+        le=100,
         description="The grace is also at most this fraction of the median recent phase time (null, e.g. left empty in the UI form: grace_max_s alone).",
     )
     round_timeout_s: float = Field(
         600.0,
         gt=0,
+        le=7 * DAY_S,
         description="Hard deadline of a round, from its start (round 1's includes the learners' start-up); merge what arrived, or fail with none.",
     )
-    poll_s: float = Field(0.5, gt=0, description="How often the synchronizer lists the regional buckets.")
+    poll_s: float = Field(
+        0.5, gt=0, le=60, description="How often the synchronizer lists the regional buckets (at most round_timeout_s)."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> QuorumSettings:
@@ -128,13 +144,15 @@ class QuorumSettings(_Section):
                 f"max_quorum: must lie between min_quorum ({self.min_quorum}) and the number of learners, "
                 f"got {self.max_quorum}"
             )
+        if self.poll_s > self.round_timeout_s:
+            raise ValueError(f"poll_s: {self.poll_s:g} s is longer than round_timeout_s {self.round_timeout_s:g} s")
         return self
 
 
 class RunConfig(BaseModel):
     """Everything a training run needs; every field has a default that works on one machine."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _FINITE
 
     run_id: str | None = Field(None, description="Run name (lowercase, digits, '-'); a fresh one when empty.")
     regions: list[str] = Field(
@@ -147,6 +165,7 @@ class RunConfig(BaseModel):
     target_loss: float | None = Field(
         None,
         gt=0,
+        le=1e3,
         description="Stop early once a published round's held-out eval loss is at most this (empty: run all the rounds).",
     )
     token_budget: int | None = Field(
@@ -201,7 +220,7 @@ class RunConfig(BaseModel):
         description="Deployment that runs learners; '{region}' and '{learner}' are replaced by the learner's region and name (a deployment per learner can hold that learner's own credentials).",
     )
     learner_wait_s: float = Field(
-        0.0, ge=0, description="Longest a learner waits for a newer round before training on (0: never)."
+        0.0, ge=0, le=DAY_S, description="Longest a learner waits for a newer round before training on (0: never)."
     )
     rebase: bool = Field(
         True, description="Fold a round published mid-phase into the phase in progress (fresher deltas, no waiting)."
@@ -282,9 +301,9 @@ class RunConfig(BaseModel):
         slow = {r: f for r, f in self.speed.items() if not 0 < f <= 1}
         if slow:
             raise ValueError(f"speed: {slow} must be in (0, 1]")
-        negative = {r: s for r, s in self.min_step_s.items() if not s >= 0}
+        negative = {r: s for r, s in self.min_step_s.items() if not 0 <= s <= MAX_STEP_S}
         if negative:
-            raise ValueError(f"min_step_s: {negative} must be seconds >= 0")
+            raise ValueError(f"min_step_s: {negative} must be seconds in [0, {MAX_STEP_S:g}]")
         if self.quorum.min_quorum > n:
             raise ValueError(
                 f"quorum.min_quorum: {self.quorum.min_quorum} is more than the {n} learners; lower it or add learners"
