@@ -69,6 +69,7 @@ class _Arrival:
 
 @dataclass
 class _Learner:
+    name: str
     trainer: InnerTrainer
     speed: float
     base: dict = field(default_factory=dict)
@@ -80,6 +81,186 @@ class _Learner:
     residual: dict = field(default_factory=dict)  # the delta codec's error feedback
 
 
+@dataclass(frozen=True)
+class _Round:
+    number: int
+    theta: dict
+    visible_at: float  # when learners first see it: its close + publish_s
+    settled: frozenset  # the (learner, phase) deltas merged or dropped by this round
+    applied: int  # tokens merged into rounds 1…this one
+
+
+class Replay:
+    """One replayed run: the learners, the rounds published so far and the round being collected,
+    advanced event by event on a simulated clock.
+
+    The learners' steps are the events, taken in time order from a heap; before each, the
+    synchronizer catches up to that time (`synchronize`), so a learner starting a phase sees
+    exactly the rounds visible by then. The synchronizer's decisions are islands.core.quorum's
+    and its merge islands.core.merge's, so a replay differs from the pipeline only in its clock.
+    """
+
+    def __init__(
+        self,
+        budget: Budget,
+        schedule: Schedule,
+        rule: MergeSettings,
+        seed: int = 0,
+        init: dict | None = None,
+        on_round: Callable[[int, dict], None] | None = None,
+    ) -> None:
+        self.schedule, self.rule, self.on_round = schedule, rule, on_round
+        self.block = build_model(PRESET, seed).config.block_size
+        alive = len(schedule.speeds)
+        trainers = learner_trainers(replace(budget, learners=alive), seed, range(alive))
+        self.learners = [_Learner(f"l{i}", t, s) for i, (t, s) in enumerate(zip(trainers, schedule.speeds))]
+        # The away learners come last, never trained: the quorum and the catch-up still count them.
+        self.names = [f"l{i}" for i in range(alive + schedule.away)]
+        self.policy = QuorumSettings(
+            min_quorum=schedule.min_quorum,
+            max_quorum=len(self.names),
+            grace_max_s=20.0,
+            round_timeout_s=600.0,
+            grace_fraction=schedule.grace_fraction,
+        )
+        theta0 = init if init is not None else params_of(build_model(PRESET, seed))
+        self.rounds = [_Round(0, theta0, 0.0, frozenset(), 0)]
+        self.momentum: dict | None = None
+        self.update_residual: dict = {}  # the update codec's error feedback
+        self.history = {n: LearnerHistory([], None) for n in self.names}
+        self.arrived: dict[str, float] = {}  # learner → when its delta reached the round being collected
+        self.pending: list[_Arrival] = []  # deltas sent and not merged yet
+        self.collecting_since = 0.0
+        self.budget_steps = budget.tokens // (BATCH * self.block)
+        self.trained_steps = 0
+        self.merged: list[list[int]] = []  # each round's deltas' staleness
+        self.clock = [(0.0, i) for i in range(alive)]  # (when learner i's next step starts, i)
+
+    def run(self) -> tuple[dict, dict]:
+        """Step the learners until they have trained the budget's tokens, then close what is left."""
+        while self.trained_steps < self.budget_steps:
+            t, i = heapq.heappop(self.clock)
+            self.synchronize(t)
+            heapq.heappush(self.clock, (self.step(self.learners[i], t), i))
+        self.synchronize(float("inf"))
+        return self.rounds[-1].theta, self.facts()
+
+    def step(self, L: _Learner, t: float) -> float:
+        """One inner step of `L` starting at `t` (a phase begins or rebases first, as the pipeline's
+        learner would at that time); returns when the step ends."""
+        if L.done == 0:
+            self.begin_phase(L, t)
+        elif self.schedule.rebase and self.visible(t).number > L.base_round:
+            self.rebase(L, t)
+        L.trainer.train_step()
+        L.done += 1
+        self.trained_steps += 1
+        t_end = t + self.schedule.step_s / L.speed
+        if L.done == self.schedule.steps_for(L.speed):
+            self.send(L, t_end)
+        return t_end
+
+    def begin_phase(self, L: _Learner, t: float) -> None:
+        L.base_round, L.base = self.reference(L, t)
+        if self.schedule.catch_up:
+            # The lr schedule counts the run's learners, away or not.
+            L.trainer.catch_up(self.rounds[L.base_round].applied, len(self.names))
+        L.trainer.begin(L.base)
+        L.phase_started = t
+
+    def rebase(self, L: _Learner, t: float) -> None:
+        """Fold a round published mid-phase into the phase in progress (Streaming DiLoCo's overlap)."""
+        r, theta = self.reference(L, t)
+        L.trainer.shift(L.base, theta)
+        L.base_round, L.base = r, theta
+
+    def send(self, L: _Learner, t_end: float) -> None:
+        """End `L`'s phase: its delta goes through the codec with its error feedback, as a learner
+        sends it, and arrives at `t_end`."""
+        delta = L.trainer.delta(L.base)
+        _, sent, L.residual = compress_with_feedback(delta, L.residual, self.schedule.codec)
+        tokens = L.done * BATCH * self.block
+        self.pending.append(_Arrival(t_end, L.name, L.phase, L.base_round, tokens, t_end - L.phase_started, sent))
+        L.unmerged[L.phase] = delta
+        L.done, L.phase = 0, L.phase + 1
+
+    def visible(self, t: float) -> _Round:
+        return max((x for x in self.rounds if x.visible_at <= t), key=lambda x: x.number)
+
+    def reference(self, L: _Learner, t: float) -> tuple[int, dict]:
+        """The newest visible round and the point the learner's next steps count from: θ_r, or
+        with `carry`, θ_r minus the learner's own deltas that θ_r does not hold yet."""
+        newest = self.visible(t)
+        if not self.schedule.carry:
+            return newest.number, newest.theta
+        L.unmerged = {q: d for q, d in L.unmerged.items() if (L.name, q) not in newest.settled}
+        return newest.number, carried(newest.theta, list(L.unmerged.values()))
+
+    def synchronize(self, until: float) -> None:
+        """Run the synchronizer's events (arrivals seen, rechecks, closes) up to time `until`."""
+        now = self.collecting_since
+        while now <= until:
+            for a in self.pending:
+                if a.at <= now and a.learner not in self.arrived:
+                    self.arrived[a.learner] = a.at
+                    h = self.history[a.learner]
+                    h.phase_seconds, h.last_arrival = (h.phase_seconds + [a.seconds])[-5:], a.at
+            d = decide(self.policy, self.collecting_since, now, self.arrived, self.names, self.history)
+            if d.close and d.reason == "timeout" and not self.arrived:
+                return  # nothing left to merge: the learners have stopped
+            if d.close:
+                self.close_round(now)
+                now = self.collecting_since
+                continue
+            later = [a.at for a in self.pending if a.at > now] + ([d.recheck_at] if d.recheck_at is not None else [])
+            if not later:
+                return
+            now = min(later)
+
+    def close_round(self, now: float) -> None:
+        """Merge the deltas arrived by `now` as the synchronizer does (weights from plan_merge, one
+        Nesterov step, the update through its codec) and publish the round."""
+        take = [a for a in self.pending if a.at <= now]
+        last = self.rounds[-1]
+        candidates = [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in take]
+        weighted, _ = plan_merge(last.number, candidates, self.rule)
+        by = {(a.learner, a.phase): a for a in take}
+        deltas = [by[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
+        theta = last.theta
+        if weighted:
+            merged_theta, self.momentum = merge_round(
+                theta, self.momentum, deltas, [w.weight for w in weighted], self.rule
+            )
+            if self.schedule.update_codec is None:
+                theta = merged_theta
+            else:
+                _, theta, self.update_residual = encode_update(
+                    theta, merged_theta, self.update_residual, self.schedule.update_codec
+                )
+        self.merged.append([w.staleness for w in weighted])
+        self.pending = [a for a in self.pending if a.at > now]
+        self.arrived.clear()
+        r = _Round(
+            last.number + 1,
+            theta,
+            now + self.schedule.publish_s,
+            last.settled | {(a.learner, a.phase) for a in take},
+            last.applied + sum(w.candidate.tokens for w in weighted),
+        )
+        self.rounds.append(r)
+        if self.on_round is not None:
+            self.on_round(r.number, theta)
+        self.collecting_since = r.visible_at
+
+    def facts(self) -> dict:
+        staleness = [s for m in self.merged for s in m]
+        return {
+            "rounds": self.rounds[-1].number,
+            "deltas_per_round": sum(map(len, self.merged)) / max(1, len(self.merged)),
+            "mean_staleness": sum(staleness) / max(1, len(staleness)),
+        }
+
+
 def replay(
     budget: Budget,
     schedule: Schedule,
@@ -89,125 +270,7 @@ def replay(
     on_round: Callable[[int, dict], None] | None = None,
 ) -> tuple[dict, dict]:
     """Train until the learners have trained the budget's tokens, merging as the synchronizer
-    does (weights from islands.core.merge.plan_merge, one Nesterov step); (θ of the last round, facts).
-    Round 0 is `init` when given (a warm start), else the seeded model; `on_round(r, θ_r)` sees
-    each round's model as it is published."""
-    block = build_model(PRESET, seed).config.block_size
-    alive = len(schedule.speeds)
-    learners = [
-        _Learner(trainer, speed)
-        for trainer, speed in zip(
-            learner_trainers(replace(budget, learners=alive), seed, range(alive)), schedule.speeds
-        )
-    ]
-    names = [f"l{i}" for i in range(len(learners) + schedule.away)]  # the away ones last: never trained
-    policy = QuorumSettings(
-        min_quorum=schedule.min_quorum,
-        max_quorum=len(names),
-        grace_max_s=20.0,
-        round_timeout_s=600.0,
-        grace_fraction=schedule.grace_fraction,
-    )
-    theta0 = init if init is not None else params_of(build_model(PRESET, seed))
-    rounds = [(0, theta0, 0.0)]  # (round, θ, visible at)
-    momentum, update_residual = None, {}
-    history = {n: LearnerHistory([], None) for n in names}
-    arrived: dict[str, float] = {}
-    pending: list[_Arrival] = []  # deltas sent and not merged yet
-    collecting_since = 0.0
-    budget_steps = budget.tokens // (BATCH * block)
-    trained_steps, merged = 0, []
-    clock = [(0.0, i) for i in range(len(learners))]
-    heapq.heapify(clock)
-
-    settled = [frozenset()]  # round r: the (learner, phase) deltas merged or dropped by round r
-    applied = [0]  # round r: tokens merged into rounds 1…r
-
-    def reference(L: _Learner, name: str, t: float) -> tuple[int, dict]:
-        """The newest visible round and the point this learner's next steps count from: θ_r, or
-        with `carry`, θ_r minus the learner's own deltas that θ_r does not hold yet."""
-        r, theta, _ = max((x for x in rounds if x[2] <= t), key=lambda x: x[0])
-        if not schedule.carry:
-            return r, theta
-        L.unmerged = {q: d for q, d in L.unmerged.items() if (name, q) not in settled[r]}
-        return r, carried(theta, list(L.unmerged.values()))
-
-    def synchronize(until: float) -> None:
-        """Run the synchronizer's events (arrivals seen, rechecks, closes) up to time `until`."""
-        now = collecting_since
-        while now <= until:
-            for a in pending:
-                if a.at <= now and a.learner not in arrived:
-                    arrived[a.learner] = a.at
-                    h = history[a.learner]
-                    h.phase_seconds, h.last_arrival = (h.phase_seconds + [a.seconds])[-5:], a.at
-            d = decide(policy, collecting_since, now, arrived, names, history)
-            if d.close and d.reason == "timeout" and not arrived:
-                return  # nothing left to merge: the learners have stopped
-            if d.close:
-                publish(now)
-                now = collecting_since
-                continue
-            later = [a.at for a in pending if a.at > now] + ([d.recheck_at] if d.recheck_at is not None else [])
-            if not later:
-                return
-            now = min(later)
-
-    def publish(now: float) -> None:
-        nonlocal momentum, update_residual, collecting_since
-        take = [a for a in pending if a.at <= now]
-        r = rounds[-1][0] + 1
-        weighted, _ = plan_merge(r - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in take], rule)
-        by = {(a.learner, a.phase): a for a in take}
-        deltas = [by[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
-        theta = rounds[-1][1]
-        if weighted:
-            merged_theta, momentum = merge_round(theta, momentum, deltas, [w.weight for w in weighted], rule)
-            if schedule.update_codec is None:
-                theta = merged_theta
-            else:
-                _, theta, update_residual = encode_update(theta, merged_theta, update_residual, schedule.update_codec)
-        merged.append([w.staleness for w in weighted])
-        pending[:] = [a for a in pending if a.at > now]
-        settled.append(settled[-1] | {(a.learner, a.phase) for a in take})
-        applied.append(applied[-1] + sum(w.candidate.tokens for w in weighted))
-        arrived.clear()
-        rounds.append((r, theta, now + schedule.publish_s))
-        if on_round is not None:
-            on_round(r, theta)
-        collecting_since = now + schedule.publish_s
-
-    while trained_steps < budget_steps:
-        t, i = heapq.heappop(clock)
-        synchronize(t)
-        L, name = learners[i], names[i]
-        if L.done == 0:
-            L.base_round, L.base = reference(L, name, t)
-            if schedule.catch_up:
-                L.trainer.catch_up(applied[L.base_round], len(names))  # the run's learners, away or not
-            L.trainer.begin(L.base)
-            L.phase_started = t
-        elif schedule.rebase and max(x[0] for x in rounds if x[2] <= t) > L.base_round:
-            r, theta = reference(L, name, t)
-            L.trainer.shift(L.base, theta)
-            L.base_round, L.base = r, theta
-        L.trainer.train_step()
-        L.done += 1
-        trained_steps += 1
-        t_end = t + schedule.step_s / L.speed
-        if L.done == schedule.steps_for(L.speed):
-            delta = L.trainer.delta(L.base)
-            _, sent, L.residual = compress_with_feedback(delta, L.residual, schedule.codec)
-            pending.append(
-                _Arrival(t_end, name, L.phase, L.base_round, L.done * BATCH * block, t_end - L.phase_started, sent)
-            )
-            L.unmerged[L.phase] = delta
-            L.done, L.phase = 0, L.phase + 1
-        heapq.heappush(clock, (t_end, i))
-    synchronize(float("inf"))
-    staleness = [s for m in merged for s in m]
-    return rounds[-1][1], {
-        "rounds": rounds[-1][0],
-        "deltas_per_round": sum(map(len, merged)) / max(1, len(merged)),
-        "mean_staleness": sum(staleness) / max(1, len(staleness)),
-    }
+    does; (θ of the last round, facts: rounds, deltas per round, mean staleness). Round 0 is
+    `init` when given (a warm start), else the seeded model; `on_round(r, θ_r)` sees each round's
+    model as it is published."""
+    return Replay(budget, schedule, rule, seed, init, on_round).run()
