@@ -20,10 +20,13 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from islands.core.config import RunConfig
+from islands.core.validate import read_field
 from islands.ops.plot import data_uri, line_chart
 from islands.ops.progress import loss_text
 from islands.storage import layout
 from islands.storage.manifest import Manifest
+from islands.storage.rounds import reported_metadata
 from islands.storage.store import Stores
 
 
@@ -138,6 +141,35 @@ def loss_curves(manifests: list[Manifest]) -> dict[str, list[tuple[float, float]
         if m.eval_loss is not None:
             curves["global eval loss"].append((merged, m.eval_loss))
     return curves
+
+
+def bytes_sent(config: RunConfig, stores: Stores, manifests: list[Manifest]) -> dict[str, dict[str, int]]:
+    """Bytes each region's learners wrote and read, and the synchronizer's, for the run's summary.
+
+    Nothing a learner says about itself is taken on its word alone: what a region wrote is what
+    its bucket holds of the run, as the store lists it (deltas, learner states, cached rounds);
+    what it read, the counters of each learner's newest delta that a round merged, so one that
+    passed the synchronizer's checks, read within their bounds. An object planted under a
+    learner's keys, or a delta no round took, moves neither."""
+    newest: dict[str, tuple[int, str, str]] = {}  # learner → (phase, region, key) of its newest merged delta
+    for m in manifests:
+        for c in m.contributions:
+            if c.phase >= newest.get(c.learner, (-1, "", ""))[0]:
+                newest[c.learner] = (c.phase, c.region, c.key)
+    out = {}
+    for region in config.regions:
+        store = stores.region(region)
+        read = 0
+        for _, where, key in newest.values():
+            if where == region:
+                read += read_field(reported_metadata(store, key), "io_read", 0)
+        out[region] = {"written": sum(store.list(layout.run_prefix(config.run_id)).values()), "read": read}
+    g = stores.global_.io
+    out["synchronizer"] = {
+        "written": g.bytes_written,
+        "read": g.bytes_read + sum(s.io.bytes_read for s in stores.regions.values()),
+    }
+    return out
 
 
 def _mb(n: int) -> str:

@@ -350,7 +350,12 @@ class _Audit:
             store = self.region_store(r, c.key, c.region)
             data = store and self.fetch(r, store, c.key, c.sha256, c.bytes)
             if data:
-                self.check_claims(r, c, read_header(data)[1])
+                try:
+                    meta = read_header(data)[1]
+                except CodecError as exc:
+                    self.problem(r, c.key, f"merged, yet its header does not read: {exc}")
+                    continue
+                self.check_claims(r, c, meta)
         for e in m.excluded:
             self.claim(r, e.region, e.key)
             self.books[e.learner or "?"]["dropped"] += e.tokens

@@ -98,8 +98,10 @@ def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict
         raise CodecError(f"truncated: header needs {8 + n} bytes, got {len(data)}")
     try:
         header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CodecError(f"header is not JSON: {exc}") from exc
+    except RecursionError:  # arrays or objects nested deeper than the parser's stack
+        raise CodecError("header is not JSON we read: nested too deeply") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or a number longer than Python converts
+        raise CodecError(f"header is not JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict):
         raise CodecError("header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -111,19 +113,24 @@ def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict
             dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
             if not isinstance(dtype, str) or not isinstance(shape, list):
                 raise TypeError("dtype must be a string and shape a list")
-            numel = 1
             for d in shape:
                 if not isinstance(d, int) or d < 0:
-                    raise ValueError(f"bad dimension {d!r}")
+                    raise ValueError(f"bad dimension {d if isinstance(d, int) else type(d).__name__}")
+            numel = 0 if 0 in shape else 1
+            for d in shape if numel else ():
                 numel *= d
+                if numel > body:  # cannot fit already: no product of a million dimensions
+                    break
             if not isinstance(start, int) or not isinstance(end, int):
                 raise TypeError("data_offsets must be integers")
         except (KeyError, TypeError, ValueError) as exc:
-            raise CodecError(f"tensor {name!r}: malformed entry ({exc})") from exc
+            raise CodecError(f"tensor {name[:40]!r}: malformed entry ({str(exc)[:80]})") from None
         if dtype not in _DTYPE_BYTES:
-            raise CodecError(f"tensor {name!r}: unsupported dtype {dtype}")
+            raise CodecError(f"tensor {name[:40]!r}: unsupported dtype {dtype[:40]}")
         if not (0 <= start <= end <= body) or end - start != numel * _DTYPE_BYTES[dtype]:
-            raise CodecError(f"tensor {name!r}: byte range {start}..{end} does not fit the object")
+            raise CodecError(
+                f"tensor {name[:40]!r}: byte range {str(start)[:20]}..{str(end)[:20]} does not fit the object"
+            )
     return header, metadata
 
 
