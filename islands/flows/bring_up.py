@@ -5,11 +5,12 @@ environment made the process's own."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from contextlib import ExitStack
 
-from islands.core.config import EMBEDDED_STORE, ConfigError, RunConfig, embedded_buckets
+from islands.core.config import EMBEDDED_STORE, GLOBAL_BUCKET, NAME, NAME_RULE, ConfigError, RunConfig, embedded_buckets
 
 
 def adopt(env: dict[str, str]) -> None:
@@ -85,18 +86,38 @@ def wait_for_learner_deployment(name: str, timeout_s: float = 90.0) -> None:
                 time.sleep(0.5)
 
 
+def check_run_id(run_id: str) -> None:
+    """A run id given on the command line is a run's name, as `islands run` makes them, or
+    ConfigError: never a path (`../../x`) that would lead a reader outside the run's folder."""
+    if not re.fullmatch(NAME, run_id, re.ASCII):
+        raise ConfigError(f"{run_id[:60]!r} is not a run id; a run id has {NAME_RULE}, e.g. run-7f3a")
+
+
 def open_run(scope: ExitStack, run_id: str, store: str | None) -> tuple[str, RunConfig, tuple | None]:
     """(the bucket template, the config, what `bring_up` gave) of an existing run, the embedded
-    stack brought up when no store is given (else None); ConfigError when there is no such run."""
+    stack brought up when no store is given (else None); ConfigError when there is no such run,
+    or `run_id` is not a run id (before anything starts)."""
     from islands.storage.rounds import read_config
-    from islands.storage.store import ObjectMissing, StoreError, Stores
+    from islands.storage.store import IntegrityError, ObjectMissing, StoreError, Stores, check_template
 
+    check_run_id(run_id)
+    template = store or EMBEDDED_STORE
+    try:
+        check_template(template, [GLOBAL_BUCKET])
+    except (StoreError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
     stack = None
     if store is None:
         stack = bring_up(scope, embedded_buckets([]))
         adopt(stack[0])
-    template = store or EMBEDDED_STORE
     try:
-        return template, read_config(Stores(template, []).global_, run_id), stack
+        config = read_config(Stores(template, []).global_, run_id)
+    except IntegrityError as exc:
+        raise ConfigError(f"{run_id}: {exc}") from None
     except (ObjectMissing, StoreError) as exc:
         raise ConfigError(f"{run_id}: no such run in {template} ({exc})") from exc
+    try:
+        check_template(template, [GLOBAL_BUCKET, *config.regions])
+    except StoreError as exc:
+        raise ConfigError(str(exc)) from None
+    return template, config, stack

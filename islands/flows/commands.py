@@ -12,8 +12,23 @@ import sys
 import time
 from contextlib import ExitStack
 
-from islands.core.config import ConfigError, RunConfig, embedded_buckets, load_config, new_run_id, store_template
-from islands.flows.bring_up import adopt, bring_up, on_embedded_prefect, open_run, wait_for_learner_deployment
+from islands.core.config import (
+    GLOBAL_BUCKET,
+    ConfigError,
+    RunConfig,
+    embedded_buckets,
+    load_config,
+    new_run_id,
+    store_template,
+)
+from islands.flows.bring_up import (
+    adopt,
+    bring_up,
+    check_run_id,
+    on_embedded_prefect,
+    open_run,
+    wait_for_learner_deployment,
+)
 from islands.flows.run_flags import overrides
 
 EXIT_CONFIG = 2
@@ -74,8 +89,12 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, st
     is what `bring_up` gave the caller, when it brought the stack up already."""
     from islands.flows.chaos import Chaos
     from islands.infra.s3_proxy import S3Proxy
-    from islands.storage.store import StoreError
+    from islands.storage.store import StoreError, check_template
 
+    try:  # before any stack starts: buckets that alias would take each other's deltas
+        check_template(store_template(config), [GLOBAL_BUCKET, *config.regions])
+    except StoreError as exc:
+        return fail(str(exc))
     stalls = Chaos.parse(chaos or []).stalls
     proxies: list[S3Proxy] = []
     with ExitStack() as scope:
@@ -232,6 +251,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from islands.ops.status import NoSuchRun, render, run_status, watch
     from islands.storage.store import StoreError
 
+    try:
+        check_run_id(args.run_id)
+    except ConfigError as exc:
+        return fail(str(exc))
     try:
         if args.watch is None:
             reports = [run_status(args.run_id, args.store)]

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from islands.core.config import RunConfig
 from islands.storage import layout
@@ -142,8 +143,17 @@ def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:
 
 
 def read_config(store: ObjectStore, run: str) -> RunConfig:
-    """The run's configuration as `islands run` wrote it (raises ObjectMissing for no such run)."""
-    return RunConfig.model_validate_json(store.get(layout.config_key(run)))
+    """The run's configuration as `islands run` wrote it (raises ObjectMissing for no such run,
+    IntegrityError, one line, for an object there that is not a config islands wrote)."""
+    key = layout.config_key(run)
+    try:
+        return RunConfig.model_validate_json(store.get(key))
+    except ValidationError as exc:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+        where = ".".join(map(str, first["loc"])) or "its JSON"
+        raise IntegrityError(
+            f"{store.url}/{key} is not a run config islands wrote ({where}: {str(first['msg'])[:120]})"
+        ) from None
 
 
 def stop_requested(store: ObjectStore, run: str) -> bool:

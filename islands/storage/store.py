@@ -18,6 +18,8 @@ import abc
 import copy
 import hashlib
 import itertools
+import os
+import posixpath
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -263,11 +265,44 @@ def bucket_url(template: str, bucket: str) -> str:
     return template.replace("{bucket}", bucket)
 
 
+def location(url: str) -> str:
+    """Where a store URL points, as one spelling: '.', '..' and doubled slashes resolved, and a
+    local folder made absolute with its links followed; two URLs of one place have one location."""
+    scheme = scheme_of(url)
+    path = url.split("://", 1)[1] if "://" in url else url
+    if scheme == "file":
+        return "file://" + os.path.realpath(path)
+    return f"{scheme}://" + posixpath.normpath(path).lstrip("/")
+
+
+def check_template(template: str, buckets: list[str]) -> None:
+    """Refuse a store template whose buckets are not places of their own: one whose `..` takes
+    the bucket away (``file:///x/{bucket}/..``: every bucket is /x), or two of `buckets` that
+    resolve to one location, or one inside another. A delta would be both merged and judged
+    foreign, a learner's folder another's. StoreError, one line."""
+    if "{bucket}" in template and "{bucket}" not in location(template):
+        raise StoreError(
+            f"store {template!r}: the bucket name is taken away by '..' ({location(template)} for every bucket); "
+            "give a template in which {bucket} names a folder or bucket of its own"
+        )
+    seen: dict[str, str] = {}
+    for bucket in buckets:
+        where = location(bucket_url(template, bucket))
+        for other, there in seen.items():
+            if where == there or where.startswith(there + "/") or there.startswith(where + "/"):
+                raise StoreError(
+                    f"store {template!r}: the buckets {other!r} and {bucket!r} are one location ({there} and {where}); "
+                    "every bucket must be a place of its own"
+                )
+        seen[bucket] = where
+
+
 class Stores:
-    """The global store and one store per region, from one URL template."""
+    """The global store and one store per region, from one URL template (check_template)."""
 
     def __init__(self, template: str, regions: list[str], storage_options: dict | None = None):
         opts = storage_options or {}
+        check_template(template, [GLOBAL_BUCKET, *regions])
         self.template = template
         self.global_ = ObjectStore(bucket_url(template, GLOBAL_BUCKET), opts)
         self.regions = {r: ObjectStore(bucket_url(template, r), opts) for r in regions}
