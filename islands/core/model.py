@@ -5,7 +5,10 @@
 - a Hugging Face model folder or its `config.json` (a local path here; `storage.model_files`
   brings an `s3://` one to local disk first): `AutoModelForCausalLM.from_config` under the run's
   seed, or `from_pretrained` when the folder holds weights (continued pre-training, as DiLoCo,
-  arXiv 2311.08105, starts from a pre-trained checkpoint).
+  arXiv 2311.08105, starts from a pre-trained checkpoint). Nothing of the folder runs: transformers
+  is told `trust_remote_code=False`, a folder asking for code of its own (`auto_map`, an unknown
+  `model_type`) is refused by name (`asks_for_code`), and weights are read from safetensors
+  only, never unpickled (`pickled_weights`).
 - `python:package.module:function`: a factory returning any `torch.nn.Module` whose
   `forward(input_ids, labels)` returns the loss or an object with `.loss`. The module, or its
   `.config`, names its vocabulary as `vocab_size` and its context as `block_size` (or
@@ -19,6 +22,7 @@ takes it once; `load_params` and `assign_params` tie it again. Buffers are rebui
 
 import copy
 import importlib
+import json
 import math
 import sys
 from contextlib import nullcontext
@@ -139,6 +143,52 @@ class ModelError(ValueError):
 
 FACTORY = "python:"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Files torch would unpickle: a folder holding them and no safetensors is refused, never loaded.
+PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# The files of a Hugging Face folder in which it can ask transformers to import code it ships.
+CODE_FIELDS_IN = ("config.json", "tokenizer_config.json")
+
+
+def asks_for_code(name: str, raw: bytes) -> str | None:
+    """What in `name` (config.json or tokenizer_config.json of a Hugging Face folder, its bytes
+    `raw`) would have transformers import code the folder ships, as "FILE: FIELD", or None: an
+    `auto_map`, or a config's `model_type` transformers does not know (only remote code builds
+    one). A file that is no JSON object asks for nothing; its parser refuses it later."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if "auto_map" in data:
+        return f"{name}: auto_map"
+    kind = data.get("model_type")
+    if name == "config.json" and kind is not None:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if not isinstance(kind, str) or kind not in CONFIG_MAPPING_NAMES:
+            return f"{name}: model_type {kind!r} is not one transformers knows"
+    return None
+
+
+def refuse_code(folder: Path) -> None:
+    """Raise ModelError when the local model folder asks for code of its own (`asks_for_code`)."""
+    for name in CODE_FIELDS_IN:
+        path = folder / name
+        if path.is_file() and (why := asks_for_code(name, path.read_bytes())):
+            raise ModelError(
+                f"model: {folder} asks to run code it ships ({why}); islands runs no code from model folders: "
+                "use a model_type transformers knows, or a python:package.module:function factory"
+            )
+
+
+def pickled_weights(folder: Path) -> list[str]:
+    """The files of `folder` that loading it would unpickle: its pickle files (`PICKLES`) when it
+    holds no safetensors (which are loaded instead, when it does)."""
+    files = [p for p in folder.iterdir() if p.is_file()]
+    if any(p.name.endswith((".safetensors", ".safetensors.index.json")) for p in files):
+        return []
+    return sorted(p.name for p in files if p.name.endswith(PICKLES))
 
 
 def build_model(spec: str, seed: int) -> nn.Module:
@@ -168,6 +218,11 @@ def hf_folder(spec: str) -> tuple[Path, bool]:
             f"model: {spec} is neither a preset ({', '.join(sorted(PRESETS))}), a python: factory, "
             "nor a folder with a config.json; give one of those"
         )
+    if pickles := pickled_weights(path):
+        raise ModelError(
+            f"model: {path} holds pickle weights ({', '.join(pickles[:3])}) and no safetensors; islands never "
+            "unpickles: save them as model.safetensors (transformers' save_pretrained does) or give the config.json alone"
+        )
     return path, any((path / name).is_file() for name in WEIGHTS)
 
 
@@ -176,8 +231,9 @@ def hf_config(spec: str):
     from transformers import AutoConfig
 
     folder, _ = hf_folder(spec)
+    refuse_code(folder)
     try:
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ModelError(
@@ -192,8 +248,10 @@ def _from_hf(spec: str) -> nn.Module:
     config = hf_config(spec)
     try:
         if weights:
-            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, trust_remote_code=False, use_safetensors=True
+            )
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     except (ValueError, OSError, KeyError) as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ModelError(f"model: {folder} is not a causal language model transformers can build ({reason})") from exc
@@ -234,7 +292,7 @@ def check_model(spec: str) -> None:
         config = hf_config(spec)
         try:
             with torch.device("meta"):
-                AutoModelForCausalLM.from_config(config)
+                AutoModelForCausalLM.from_config(config, trust_remote_code=False)
         except (ValueError, KeyError) as exc:
             reason = " ".join(str(exc).split())[:200]
             raise ModelError(f"model: {spec} is not a causal language model transformers can build ({reason})") from exc
