@@ -5,7 +5,9 @@ becomes one shard, tokenized and written by its own worker process (all cores). 
 a small sidecar (`shard-NNNNNN.json`) records its entry, with the sha256 of what it was made from
 (the tokenizer and each source file's name and fsspec `ukey`): a shard whose sidecar names the
 same source hash and whose size matches is not made again, so an interrupted or repeated prepare
-does only what is missing. The manifest, `dataset.json`, is written last.
+does only what is missing. A copy of the tokenizer goes beside the shards (`tokenizer/`), so that a
+run on them and its export use the very tokenizer they were made with; the manifest,
+`dataset.json`, naming the copy's files with their sha256, is written last.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from multiprocessing import get_context
 import fsspec
 import numpy as np
 
-from islands.storage.shards import DTYPES, MANIFEST, Dataset, ShardEntry, TokenizerRef, dtype_for
+from islands.storage.shards import DTYPES, MANIFEST, TOKENIZER_COPY, Dataset, ShardEntry, TokenizerRef, dtype_for
 from islands.storage.text import documents, text_files
-from islands.storage.tokenizer import Tokenizer, load_tokenizer
+from islands.storage.tokenizer import Tokenizer, copy_tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -124,9 +126,13 @@ def prepare(
             futures = {pool.submit(make_shard, dst, g, tokenizer_path, dtype): g for g in plan}
             for future in as_completed(futures):
                 done(futures[future], *future.result())
+    copy = f"{dst.rstrip('/')}/{TOKENIZER_COPY}"
+    files = {} if tokenizer.backend is None else copy_tokenizer(tokenizer_path, copy)
     dataset = Dataset(
         dtype=dtype,
-        tokenizer=TokenizerRef(name=tokenizer.name, sha256=tokenizer.sha256, vocab_size=tokenizer.vocab_size),
+        tokenizer=TokenizerRef(
+            name=tokenizer.name, sha256=tokenizer.sha256, vocab_size=tokenizer.vocab_size, files=files
+        ),
         shards=[entries[i] for i in sorted(entries)],
     )
     fs.pipe_file(f"{root.rstrip('/')}/{MANIFEST}", dataset.to_bytes())

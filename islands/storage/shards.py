@@ -1,6 +1,7 @@
 """Token shards: flat arrays of uint16 or uint32 token ids (nanoGPT's `.bin` layout, no header),
 with a dataset manifest beside them, `dataset.json`, naming each shard with its token count and
-sha256, the dtype and the tokenizer's sha256 and vocabulary size.
+sha256, the dtype and the tokenizer's sha256 and vocabulary size. A tokenizer's own files are kept
+beside them, in `tokenizer/` (`TOKENIZER_COPY`), each named in the manifest with its sha256.
 
 A learner reads its shards by ranges (`Shards.read`, one ranged GET per chunk), so nothing reads a
 shard whole. Opening a dataset checks every shard's size against its manifest (one listing), so a
@@ -17,8 +18,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from islands.storage.text import CorpusError
+from islands.storage.tokenizer import TOKENIZER_FILES
 
 MANIFEST = "dataset.json"
+TOKENIZER_COPY = "tokenizer"  # the folder beside the manifest holding the tokenizer's files
 FORMAT = "islands-tokens/1"
 DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np.uint32}
 CHUNK_BYTES = 8 << 20  # what one ranged read fetches: the read-ahead is one chunk beyond the current
@@ -39,6 +42,8 @@ class TokenizerRef(_Strict):
     name: str
     sha256: str
     vocab_size: int
+    # Its files in TOKENIZER_COPY, name → sha256; none for bytes (or shards made before copies were kept).
+    files: dict[Literal[TOKENIZER_FILES], str] = {}
 
 
 class Dataset(_Strict):
