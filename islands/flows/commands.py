@@ -49,14 +49,29 @@ def preflight(config: RunConfig) -> None:
     prepare_buckets(config, Stores(store_template(config), config.regions))
 
 
-def check_data(config: RunConfig) -> None:
-    """Before anything is written: the corpus and tokenizer exist and fit the model (ValueError, one line)."""
+def check_data(config: RunConfig, take_tokenizer: bool = False) -> RunConfig:
+    """Before anything is written: the corpus and tokenizer exist and fit the model (ValueError,
+    one line). With `take_tokenizer` (a new run), a run naming no tokenizer is given the one its
+    token shards were made with; the config to run."""
     from islands.core.model import spec_vocab_and_context
-    from islands.storage.corpus import check_corpus
+    from islands.storage.corpus import check_corpus, shards_tokenizer
     from islands.storage.model_files import local_model
 
+    if take_tokenizer and config.tokenizer is None:
+        if (made_with := shards_tokenizer(config.corpus, config.eval_corpus)) is not None:
+            config = config.model_copy(update={"tokenizer": made_with})
     vocab, _ = spec_vocab_and_context(local_model(config.model), config.seed)
     check_corpus(config.corpus, config.eval_corpus, config.tokenizer, vocab)
+    return config
+
+
+def on_embedded_s3(config: RunConfig) -> bool:
+    """Whether the run's model, corpus or tokenizer may be on the embedded S3 endpoint, which
+    answers only once the stack is up: an s3:// (or other remote) URL in a run on the embedded store."""
+    from islands.storage.model_files import is_remote
+
+    urls = (config.model, config.corpus, config.eval_corpus, config.tokenizer)
+    return config.store is None and any(url is not None and is_remote(url) for url in urls)
 
 
 def check_model_spec(config: RunConfig) -> str | None:
@@ -84,9 +99,17 @@ def check_faults(config: RunConfig, chaos: list[str]) -> str | None:
     return None
 
 
-def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, stack: tuple | None = None) -> int:
+def execute(
+    config: RunConfig,
+    as_json: bool,
+    chaos: list[str] | None = None,
+    stack: tuple | None = None,
+    take_tokenizer: bool = False,
+) -> int:
     """Run (or continue) `config` against the embedded stack or the configured store; `stack`
-    is what `bring_up` gave the caller, when it brought the stack up already."""
+    is what `bring_up` gave the caller, when it brought the stack up already. The data is checked
+    (`check_data`, with `take_tokenizer`) before any stack starts, unless it is on the embedded
+    S3 endpoint."""
     from islands.flows.chaos import Chaos
     from islands.infra.s3_proxy import S3Proxy
     from islands.storage.store import StoreError, check_template
@@ -95,6 +118,12 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, st
         check_template(store_template(config), [GLOBAL_BUCKET, *config.regions])
     except StoreError as exc:
         return fail(str(exc))
+    early = not on_embedded_s3(config)
+    if early:
+        try:
+            config = check_data(config, take_tokenizer)
+        except ValueError as exc:
+            return fail(str(exc))
     stalls = Chaos.parse(chaos or []).stalls
     proxies: list[S3Proxy] = []
     with ExitStack() as scope:
@@ -121,7 +150,8 @@ def execute(config: RunConfig, as_json: bool, chaos: list[str] | None = None, st
         else:
             reused = True
         try:
-            check_data(config)
+            if not early:
+                config = check_data(config, take_tokenizer)
             preflight(config)
         except (StoreError, ValueError) as exc:
             return fail(str(exc))
@@ -155,7 +185,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id()})
     problem = check_faults(config, args.chaos or []) or check_model_spec(config)
-    return fail(problem) if problem else execute(config, args.json, args.chaos)
+    return fail(problem) if problem else execute(config, args.json, args.chaos, take_tokenizer=True)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

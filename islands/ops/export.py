@@ -3,8 +3,11 @@
 For a Hugging Face model, a folder `AutoModelForCausalLM.from_pretrained(OUT)` loads: transformers
 itself writes config.json, model.safetensors (a tied weight once, as it expects) and
 generation_config.json. For a preset or a factory, the synced weights as model.safetensors and a
-config.json naming the model. Beside them, the files `AutoTokenizer.from_pretrained(OUT)` loads:
-the run's `tokenizer` when it names one, else (a Hugging Face model) its folder's tokenizer.
+config.json naming the model. Beside them, always, the files `AutoTokenizer.from_pretrained(OUT)`
+loads, of the tokenizer the run's ids came from: the run's `tokenizer`, else the one its token
+shards were made with (the copy `islands prepare` keeps beside them), else bytes, as a byte-level
+tokenizer whose ids are the bytes. Never a model folder's own tokenizer, which a run without one
+did not train on.
 
 Nothing is written before OUT is known to be reachable and the checkpoint's sha256 matches its
 manifest.
@@ -19,12 +22,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from islands.core.model import PRESETS, assign_params, hf_folder, is_hf, skeleton
+from islands.core.model import PRESETS, assign_params, is_hf, skeleton
+from islands.storage.corpus import CorpusError, shards_tokenizer
 from islands.storage.manifest import Manifest
 from islands.storage.model_files import check_writable, local_model, put_folder
 from islands.storage.rounds import get_tensors, latest_round, read_config, read_manifest
 from islands.storage.store import ObjectMissing, Stores
-from islands.storage.tokenizer import BYTES, save_tokenizer
+from islands.storage.tokenizer import save_tokenizer
 
 
 class ExportError(ValueError):
@@ -48,15 +52,15 @@ def export_round(stores: Stores, run: str, round_: int | None, out: str) -> tupl
     spec = local_model(config.model)
     model = skeleton(spec, config.seed)
     assign_params(model, params)
-    tokenizer = config.tokenizer if config.tokenizer not in (None, BYTES) else None
-    if tokenizer is None and is_hf(model):
-        source, _ = hf_folder(spec)
-        if (source / "tokenizer_config.json").is_file() or (source / "tokenizer.json").is_file():
-            tokenizer = str(source)
+    tokenizer = config.tokenizer
+    if tokenizer is None:
+        try:
+            tokenizer = shards_tokenizer(config.corpus, config.eval_corpus)
+        except CorpusError as exc:
+            raise ExportError(f"{exc} (the tokenizer {run}'s ids came from)") from None
     with tempfile.TemporaryDirectory(prefix="islands-export-") as tmp:
         folder = Path(tmp)
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, folder)
+        save_tokenizer(tokenizer, folder)  # None: bytes
         if is_hf(model):
             model.save_pretrained(folder)
         else:
