@@ -87,6 +87,38 @@ def test_a_shard_of_the_wrong_length_or_dtype_is_named_when_the_dataset_opens(te
         Shards(str(tmp_path / "ds" / MANIFEST))
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "refusal"),
+    [
+        ("name", "../../../etc/passwd", "shards.1.name: Value error, '../../../etc/passwd' is not a file inside"),
+        ("name", "/etc/passwd", "shards.1.name: Value error, '/etc/passwd' is not a file inside the dataset's folder"),
+        ("name", "s3://other/shard.bin", "shards.1.name: Value error, 's3://other/shard.bin' is not a file inside"),
+        ("name", "shard-000000.bin", "the manifest: Value error, shard 'shard-000000.bin' is listed twice"),
+        ("tokens", -4, "shards.1.tokens: Input should be greater than or equal to 0"),
+        ("vocab_size", -1, "tokenizer.vocab_size: Input should be greater than or equal to 1"),
+        ("vocab_size", 70_000, "the manifest: Value error, uint16 shards cannot hold the ids of a vocabulary of 70000"),
+    ],
+)
+def test_a_dataset_json_entry_that_leads_out_of_its_folder_or_is_out_of_bounds_is_named(
+    texts, tmp_path, field, value, refusal
+):
+    """A name from a data file resolves inside its folder or is refused, before anything is read
+    at it; each field is checked against its bounds. One line naming the file and the entry."""
+    root, _, _ = texts
+    make(root / "src", tmp_path / "ds", None)
+    path = tmp_path / "ds" / MANIFEST
+    manifest = json.loads(path.read_text())
+    if field == "vocab_size":
+        manifest["tokenizer"]["vocab_size"] = value
+    else:
+        manifest["shards"][1][field] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CorpusError) as refused:
+        check_corpus(str(tmp_path / "ds"), None, None, 256)
+    assert str(refused.value).startswith(f"corpus: {path} is not a dataset manifest ({refusal}")
+    assert "\n" not in str(refused.value)
+
+
 def test_the_corpus_and_tokenizer_are_checked_against_the_model_before_a_run(texts, tmp_path):
     root, _, tok_path = texts
     big = train_bpe(tmp_path / "big.json", 512)

@@ -11,11 +11,11 @@ shard of the wrong dtype or length is named before anything trains on it.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 import fsspec
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from islands.storage.text import CorpusError
 from islands.storage.tokenizer import TOKENIZER_FILES
@@ -31,9 +31,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+MAX_VOCAB = 1 << 32  # every id of a uint32 shard
+
+
+def inside_folder(name: str) -> str:
+    """A shard's name as a file of the manifest's folder (or a folder below it), or ValueError:
+    a name from a data file never leads out of its folder (`../x`, `/etc/passwd`, `s3://other`)."""
+    parts = name.split("/")
+    if "://" in name or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{name[:80]!r} is not a file inside the dataset's folder")
+    return name
+
+
 class ShardEntry(_Strict):
-    name: str  # relative to the manifest's folder
-    tokens: int
+    name: Annotated[str, AfterValidator(inside_folder)]  # relative to the manifest's folder
+    tokens: int = Field(ge=0)
     sha256: str
     source_sha256: str = ""  # of the text it was made from, with the tokenizer (islands prepare)
 
@@ -41,7 +53,7 @@ class ShardEntry(_Strict):
 class TokenizerRef(_Strict):
     name: str
     sha256: str
-    vocab_size: int
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB)
     # Its files in TOKENIZER_COPY, name → sha256; none for bytes (or shards made before copies were kept).
     files: dict[Literal[TOKENIZER_FILES], str] = {}
 
@@ -51,6 +63,16 @@ class Dataset(_Strict):
     dtype: Literal["uint16", "uint32"]
     tokenizer: TokenizerRef
     shards: list[ShardEntry]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Dataset:
+        if self.dtype == "uint16" and self.tokenizer.vocab_size > 1 << 16:
+            raise ValueError(f"uint16 shards cannot hold the ids of a vocabulary of {self.tokenizer.vocab_size}")
+        names = [s.name for s in self.shards]
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"shard {twice!r} is listed twice")
+        return self
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1).encode()
@@ -86,9 +108,14 @@ class Shards:
             raise CorpusError(f"{field_name}: {url} does not exist; run `islands prepare` first") from exc
         try:
             self.dataset = Dataset.model_validate(json.loads(raw))
-        except (ValueError, ValidationError) as exc:
-            first = str(exc).splitlines()[0]
-            raise CorpusError(f"{field_name}: {url} is not a dataset manifest ({first})") from exc
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(map(str, first["loc"])) or "the manifest"
+            raise CorpusError(f"{field_name}: {url} is not a dataset manifest ({where}: {first['msg']})") from None
+        except ValueError as exc:  # not JSON, not UTF-8, or nested past the parser's stack
+            raise CorpusError(f"{field_name}: {url} is not a dataset manifest ({str(exc)[:120]})") from None
+        except RecursionError:
+            raise CorpusError(f"{field_name}: {url} is not a dataset manifest (nested too deeply)") from None
         if not self.dataset.shards:
             raise CorpusError(f"{field_name}: {url} lists no shards")
         self.itemsize = np.dtype(self.dataset.dtype).itemsize

@@ -64,16 +64,54 @@ def text_files(url: str, field_name: str = "corpus") -> list[str]:
 
 def documents(file: str) -> list[bytes]:
     """A file's documents: a `.jsonl` file's "text" fields, a `.parquet` file's "text" column, or
-    the whole of any other file."""
+    the whole of any other file. A file that does not read as its kind is one CorpusError naming
+    it and where (for JSON Lines, the line and the byte offset)."""
     with fsspec.open(file, "rb") as fh:
         raw = fh.read()
     if file.endswith(".jsonl"):
-        return [json.loads(line)["text"].encode() for line in raw.splitlines() if line.strip()]
+        return json_lines(file, raw)
     if file.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return [t.encode() for t in pq.read_table(io.BytesIO(raw), columns=["text"]).column("text").to_pylist()]
+        try:
+            column = pq.read_table(io.BytesIO(raw), columns=["text"]).column("text").to_pylist()
+            return [t.encode() for t in column if t is not None]
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+            raise CorpusError(f'{file}: not a Parquet file with a "text" column of strings ({first})') from None
     return [raw]
+
+
+def json_lines(file: str, raw: bytes) -> list[bytes]:
+    """The "text" string of each non-blank line of a JSON Lines file, as UTF-8."""
+    docs = []
+    offset = 0
+    for number, line in enumerate(raw.splitlines(keepends=True), 1):
+        start, offset = offset, offset + len(line)
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CorpusError(
+                f"{file}: invalid UTF-8 at byte {start + exc.start} (line {number}); JSON Lines must be UTF-8"
+            ) from None
+        try:
+            value = json.loads(text.removeprefix("\ufeff") if number == 1 else text)["text"]
+            if not isinstance(value, str):
+                raise TypeError("not a string")
+            docs.append(value.encode("utf-8"))
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+            said = {
+                UnicodeEncodeError: "an unpaired surrogate escape",
+                KeyError: 'no "text"',
+                RecursionError: "nested too deeply",
+            }
+            why = said.get(type(exc)) or str(exc)[:80]
+            raise CorpusError(
+                f'{file}: line {number} (byte {start}) is not a JSON object with a "text" string ({why})'
+            ) from None
+    return docs
 
 
 def read_corpus(url: str = STDLIB, min_bytes: int = 64 * 1024) -> bytes:
