@@ -43,3 +43,20 @@ def test_too_little_text_is_refused_saying_how_much_was_found(tmp_path):
         read_corpus(f"file://{tmp_path}/*.txt")
     with pytest.raises(CorpusError, match=r"^corpus: .*missing/\*.txt' matches no files"):
         read_corpus(f"file://{Path(tmp_path, 'missing')}/*.txt")
+
+
+def test_invalid_utf8_in_json_lines_is_one_line_naming_the_file_and_byte_and_prepare_leaves_no_folder(tmp_path, capsys):
+    from islands.flows.cli import main
+
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8: byte 17 + 13
+    with pytest.raises(CorpusError, match=r"bad.jsonl: invalid UTF-8 at byte 30 \(line 2\)"):
+        read_corpus(str(src), min_bytes=1)
+    out = tmp_path / "made" / "shards"
+    assert main(["prepare", str(src), str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"islands: file://{src}: invalid UTF-8 at byte 30 (line 2); JSON Lines must be UTF-8"]
+    assert not (tmp_path / "made").exists()
+    src.write_bytes(b'{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(CorpusError, match=r'bad.jsonl: line 2 \(byte 17\) is not a JSON object with a "text" string'):
+        read_corpus(str(src), min_bytes=1)

@@ -120,3 +120,43 @@ def test_an_out_it_cannot_write_or_a_round_that_is_not_there_is_refused(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("islands: OUT: " if out != "missing-round" else "islands: --round 7")
     assert not (tmp_path / "missing-round").exists()
+
+
+@pytest.mark.parametrize("where", ["global/runs/export-run", "global", "north/elsewhere", "link/runs"])
+def test_an_out_inside_a_bucket_of_the_runs_store_is_refused_and_the_run_stays_readable(tmp_path, capsys, where):
+    """OUT in the store would land on the run's create-only keys (its config.json): refused, exit 2,
+    one line, nothing written; the run still reads (status, audit)."""
+    template, stores = round0(tmp_path, "tiny")
+    (tmp_path / "store" / "link").symlink_to(tmp_path / "store" / "global")  # the bucket by another name
+    config = (tmp_path / "store" / "global" / layout.config_key(RUN)).read_bytes()
+    capsys.readouterr()
+    out = tmp_path / "store" / where
+    assert main(["export", RUN, str(out), "--store", template, "--force"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    bucket = "north" if where.startswith("north") else "global"
+    assert len(err) == 1 and err[0].startswith(f"islands: OUT: {out} is inside file://{tmp_path}/store/{bucket}")
+    assert (tmp_path / "store" / "global" / layout.config_key(RUN)).read_bytes() == config
+    assert not (tmp_path / "store" / "north").exists() and not (out / "model.safetensors").exists()
+    assert main(["status", RUN, "--store", template]) == 0
+    assert main(["audit", RUN, "--store", template]) == 0
+
+
+def test_files_at_out_that_the_export_would_change_are_kept_unless_forced(tmp_path, capsys):
+    """A file of OUT with other bytes stops the export before it writes; the same export again
+    is a no-op; --force puts new files in their place and never writes through a link."""
+    template, _ = round0(tmp_path, "tiny")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("mine\n")
+    (tmp_path / "kept.json").hardlink_to(out / "config.json")
+    capsys.readouterr()
+    assert main(["export", RUN, str(out), "--store", template]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"islands: OUT: {out} already holds config.json, with other bytes")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"] and (out / "config.json").read_text() == "mine\n"
+    assert main(["export", RUN, str(out), "--store", template, "--force"]) == 0
+    assert '"model": "tiny"' in (out / "config.json").read_text() and (out / "model.safetensors").is_file()
+    assert (tmp_path / "kept.json").read_text() == "mine\n"
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(["export", RUN, str(out), "--store", template]) == 0  # the same bytes: nothing to replace
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == written

@@ -163,3 +163,40 @@ def test_an_id_at_or_above_the_models_vocabulary_fails_the_read_naming_the_shard
     stream = Stream(reader, [Segment(1, 0, reader.lengths[1])], 17, vocab_size=200)  # a model of 200 ids
     with pytest.raises(TokenRangeError, match=r"^corpus: shard shard-000001.bin holds token id 2\d\d at offset \d+"):
         stream.current()
+
+
+def test_prepare_refuses_a_dst_inside_a_runs_bucket_or_over_files_it_did_not_write(texts, tmp_path, capsys):
+    """No command's output lands on a run's keys: a DST inside any bucket of the store (--store, or
+    the embedded one's) is refused before anything is read or written. Files prepare would replace
+    that it did not write stop it too, unless --force; its own are no obstacle."""
+    from islands.flows.cli import main
+
+    root, _, _ = texts
+    src = str(root / "src" / "a.txt")
+    store = f"file://{tmp_path}/store/{{bucket}}"
+
+    def refused(args: list[str]) -> str:
+        assert main(["prepare", src, *args, "--workers", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        return err[0]
+
+    inside = tmp_path / "store" / "east" / "runs" / "r1"
+    assert refused([str(inside), "--store", store, "--force"]).startswith(
+        f"islands: DST: {inside} is inside file://{tmp_path}/store/east, a bucket of the store"
+    )
+    assert not (tmp_path / "store").exists()
+    assert refused(["s3://islands-global/corpus"]).startswith(
+        "islands: DST: s3://islands-global/corpus is inside s3://islands-global, a bucket of the store s3://islands-{bucket}"
+    )
+    dst = tmp_path / "ds"
+    dst.mkdir()
+    (dst / MANIFEST).write_text('{"mine": true}')
+    assert refused([str(dst)]) == (
+        f"islands: DST: {dst} holds {MANIFEST}, which islands prepare did not write; nothing written: "
+        "give an empty folder, or --force to replace them"
+    )
+    assert sorted(p.name for p in dst.iterdir()) == [MANIFEST]
+    assert main(["prepare", src, str(dst), "--workers", "1", "--force"]) == 0
+    assert main(["prepare", src, str(dst), "--workers", "1"]) == 0  # its own files: made again or kept
+    assert Shards(str(dst / MANIFEST)).names == ["shard-000000.bin"]

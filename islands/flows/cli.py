@@ -36,6 +36,12 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", help="tokenizer.json or Hugging Face tokenizer folder (default: bytes)")
     prep.add_argument("--shard-mb", type=float, default=64.0, help="text per shard, in MB (default 64)")
     prep.add_argument("--workers", type=int, help="processes (default: every core)")
+    prep.add_argument(
+        "--store",
+        metavar="TEMPLATE",
+        help="the runs' bucket URL template, whose buckets DST must stay out of (default: the embedded S3's)",
+    )
+    prep.add_argument("--force", action="store_true", help="replace files in DST that islands prepare did not write")
 
     up = sub.add_parser("up", help="start the local S3 endpoint, Prefect server + UI and learner runner")
     up.add_argument("--regions", help="regional buckets to create (default: the demo's)")
@@ -93,6 +99,7 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("out", metavar="OUT", help="folder or fsspec URL (e.g. s3://bucket/models/run-1) to write to")
     exp.add_argument("--round", type=int, help="the round to export (default: the newest)")
     exp.add_argument("--store", help="bucket URL template the run lives in (default: embedded S3)")
+    exp.add_argument("--force", action="store_true", help="replace files at OUT that hold other bytes")
     return p
 
 

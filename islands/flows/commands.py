@@ -11,8 +11,10 @@ import os
 import sys
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 from islands.core.config import (
+    EMBEDDED_STORE,
     GLOBAL_BUCKET,
     ConfigError,
     RunConfig,
@@ -192,29 +194,59 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenize SRC into shards under DST, showing a progress bar over the text."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from islands.storage.model_files import is_remote
     from islands.storage.prepare import groups, prepare
+    from islands.storage.shards import MANIFEST, foreign_files
+    from islands.storage.store import bucket_holding
     from islands.storage.tokenizer import load_tokenizer
 
     if not args.shard_mb > 0:
         return fail(f"--shard-mb {args.shard_mb:g}: give the megabytes of text per shard, more than 0")
+    template = args.store or EMBEDDED_STORE
+    if "{bucket}" not in template:
+        return fail(f"--store {template}: must contain '{{bucket}}', e.g. s3://islands-{{bucket}}")
+    bucket = bucket_holding(args.dst, template)
+    if bucket is not None:
+        return fail(
+            f"DST: {args.dst} is inside {bucket}, a bucket of the store {template}, whose objects only runs write; "
+            "give a folder outside it" + ("" if args.store else " (or --store with your runs' own template)")
+        )
     shard_bytes = int(args.shard_mb * 1e6)
     try:
         tokenizer = load_tokenizer(args.tokenizer, "--tokenizer")
         plan = groups(args.src, tokenizer, shard_bytes)
     except ValueError as exc:
         return fail(str(exc))
+    names = [name for g in plan for name in (g.name, g.name.removesuffix(".bin") + ".json")] + [MANIFEST]
+    foreign = [] if args.force else foreign_files(args.dst, names)
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        return fail(
+            f"DST: {args.dst} holds {shown}, which islands prepare did not write; nothing written: "
+            "give an empty folder, or --force to replace them"
+        )
+    local = None if is_remote(args.dst) else Path(args.dst.removeprefix("file://")).absolute()
+    made_folders = [p for p in (local, *local.parents) if not p.exists()] if local else []
     columns = (TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[shards]}"))
-    with Progress(*columns, TimeRemainingColumn(), transient=False) as bar:
-        task = bar.add_task("prepare", total=sum(g.bytes for g in plan), shards=f"0/{len(plan)} shards")
-        done = skipped = 0
+    try:
+        with Progress(*columns, TimeRemainingColumn(), transient=False) as bar:
+            task = bar.add_task("prepare", total=sum(g.bytes for g in plan), shards=f"0/{len(plan)} shards")
+            done = skipped = 0
 
-        def on_shard(size: int, made: bool) -> None:
-            nonlocal done, skipped
-            done += 1
-            skipped += not made
-            bar.update(task, advance=size, shards=f"{done}/{len(plan)} shards, {skipped} already there")
+            def on_shard(size: int, made: bool) -> None:
+                nonlocal done, skipped
+                done += 1
+                skipped += not made
+                bar.update(task, advance=size, shards=f"{done}/{len(plan)} shards, {skipped} already there")
 
-        dataset, made = prepare(plan, args.dst, tokenizer, args.tokenizer, args.workers, on_shard)
+            dataset, made = prepare(plan, args.dst, tokenizer, args.tokenizer, args.workers, on_shard)
+    except (ValueError, OSError) as exc:  # text that does not read (CorpusError names the file and where)
+        for folder in made_folders:  # the folders this prepare made, deepest first, while empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        return fail(str(exc))
     tokens = sum(s.tokens for s in dataset.shards)
     print(
         f"islands: {args.dst}: {len(dataset.shards)} shards ({made} written, {len(dataset.shards) - made} already "
@@ -332,8 +364,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     with ExitStack() as scope:
         try:
-            template, _, _ = open_run(scope, args.run_id, args.store)
-            manifest, names = export_round(Stores(template, []), args.run_id, args.round, args.out)
+            template, config, _ = open_run(scope, args.run_id, args.store)
+            stores = Stores(template, config.regions)
+            manifest, names = export_round(stores, args.run_id, args.round, args.out, args.force)
         except IntegrityError as exc:
             return fail(f"{args.run_id}: the checkpoint does not match its manifest, nothing written ({exc})", 1)
         except (ConfigError, ExportError, ModelError, TokenizerError) as exc:

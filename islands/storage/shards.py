@@ -78,6 +78,31 @@ class Dataset(_Strict):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1).encode()
 
 
+def foreign_files(dst: str, names: list[str]) -> list[str]:
+    """Those of `names` (what `islands prepare` writes: shards, their sidecars, the manifest) that
+    are in the folder `dst` and that prepare did not write: a manifest that is not a dataset's, a
+    sidecar that is not a shard's entry, a shard no sidecar names. Prepare replaces none of them
+    unless told to (--force)."""
+    fs, root = fsspec.core.url_to_fs(dst)
+    folder = root.rstrip("/")
+    return [name for name in names if fs.exists(f"{folder}/{name}") and not _prepared(fs, folder, name)]
+
+
+def _prepared(fs, folder: str, name: str) -> bool:
+    try:
+        if name == MANIFEST:
+            Dataset.model_validate_json(fs.cat_file(f"{folder}/{name}"))
+            return True
+        shard = name.removesuffix(".json") + ".bin" if name.endswith(".json") else name
+        sidecar = shard.removesuffix(".bin") + ".json"
+        return (
+            fs.isfile(f"{folder}/{name}")
+            and ShardEntry.model_validate_json(fs.cat_file(f"{folder}/{sidecar}")).name == shard
+        )
+    except (OSError, ValueError):  # not there, a folder, not JSON, not an entry
+        return False
+
+
 def dtype_for(vocab_size: int) -> str:
     """The narrowest dtype that holds every id of a vocabulary."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"

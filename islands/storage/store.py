@@ -20,12 +20,13 @@ import hashlib
 import itertools
 import os
 import posixpath
+import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import BinaryIO, Protocol
 
-from islands.core.config import GLOBAL_BUCKET
+from islands.core.config import GLOBAL_BUCKET, NAME
 
 CHUNK_BYTES = 16 * 2**20  # one copied or uploaded block of a large object
 # One block of a streamed download. Two deltas are read at once, each with a block in use and
@@ -265,14 +266,37 @@ def bucket_url(template: str, bucket: str) -> str:
     return template.replace("{bucket}", bucket)
 
 
-def location(url: str) -> str:
+def location(url: str, follow_links: bool = True) -> str:
     """Where a store URL points, as one spelling: '.', '..' and doubled slashes resolved, and a
-    local folder made absolute with its links followed; two URLs of one place have one location."""
+    local folder made absolute (with its links followed, unless not `follow_links`); two URLs of
+    one place have one location."""
     scheme = scheme_of(url)
     path = url.split("://", 1)[1] if "://" in url else url
     if scheme == "file":
-        return "file://" + os.path.realpath(path)
+        return "file://" + (os.path.realpath(path) if follow_links else os.path.abspath(path))
     return f"{scheme}://" + posixpath.normpath(path).lstrip("/")
+
+
+def bucket_holding(url: str, template: str, buckets: Iterable[str] = ()) -> str | None:
+    """The bucket of the store `template` that `url` (a folder or an fsspec URL) is, or lies in,
+    None when it is in none: any bucket the template can make (``{bucket}`` standing for any name
+    a region or the global bucket can have), and each of `buckets` wherever links lead. What
+    writes outside the store (export, prepare) asks this first: no file of theirs may land on a
+    run's keys, which only the store's create-only writes may make."""
+    if "{bucket}" not in template or scheme_of(url) != scheme_of(template):
+        return None
+    where = location(url)
+    for bucket in buckets:
+        there = location(bucket_url(template, bucket))
+        if where == there or where.startswith(there + "/"):
+            return bucket_url(template, bucket)
+    for follow in (True, False):
+        where, pattern = location(url, follow), re.escape(location(template, follow))
+        pattern = pattern.replace(re.escape("{bucket}"), f"(?P<b>{NAME})", 1).replace(re.escape("{bucket}"), "(?P=b)")
+        found = re.fullmatch(pattern + "(?:/.*)?", where, re.ASCII | re.DOTALL)
+        if found:
+            return bucket_url(template, found.group("b"))
+    return None
 
 
 def check_template(template: str, buckets: list[str]) -> None:
