@@ -171,7 +171,7 @@ def test_prepare_refuses_a_dst_inside_a_runs_bucket_or_over_files_it_did_not_wri
     that it did not write stop it too, unless --force; its own are no obstacle."""
     from islands.flows.cli import main
 
-    root, _, _ = texts
+    root, _, tok_path = texts
     src = str(root / "src" / "a.txt")
     store = f"file://{tmp_path}/store/{{bucket}}"
 
@@ -200,3 +200,12 @@ def test_prepare_refuses_a_dst_inside_a_runs_bucket_or_over_files_it_did_not_wri
     assert main(["prepare", src, str(dst), "--workers", "1", "--force"]) == 0
     assert main(["prepare", src, str(dst), "--workers", "1"]) == 0  # its own files: made again or kept
     assert Shards(str(dst / MANIFEST)).names == ["shard-000000.bin"]
+    with_tokenizer = tmp_path / "tok-ds"  # the tokenizer's copy beside the shards is checked too
+    (with_tokenizer / "tokenizer").mkdir(parents=True)
+    (with_tokenizer / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert refused([str(with_tokenizer), "--tokenizer", str(tok_path)]).startswith(
+        f"islands: DST: {with_tokenizer} holds tokenizer/tokenizer.json, which islands prepare did not write"
+    )
+    assert (with_tokenizer / "tokenizer" / "tokenizer.json").read_text() == "{}"
+    for force in (["--force"], []):
+        assert main(["prepare", src, str(with_tokenizer), "--tokenizer", str(tok_path), "--workers", "1", *force]) == 0

@@ -196,7 +196,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     from islands.storage.model_files import is_remote
     from islands.storage.prepare import groups, prepare
-    from islands.storage.shards import MANIFEST, foreign_files
+    from islands.storage.shards import foreign_files, prepared_names
     from islands.storage.store import bucket_holding
     from islands.storage.tokenizer import load_tokenizer
 
@@ -217,8 +217,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         plan = groups(args.src, tokenizer, shard_bytes)
     except ValueError as exc:
         return fail(str(exc))
-    names = [name for g in plan for name in (g.name, g.name.removesuffix(".bin") + ".json")] + [MANIFEST]
-    foreign = [] if args.force else foreign_files(args.dst, names)
+    foreign = [] if args.force else foreign_files(args.dst, prepared_names([g.name for g in plan]))
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         return fail(

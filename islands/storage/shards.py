@@ -10,6 +10,7 @@ shard of the wrong dtype or length is named before anything trains on it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Literal
 
@@ -78,11 +79,18 @@ class Dataset(_Strict):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1).encode()
 
 
+def prepared_names(shards: list[str]) -> list[str]:
+    """Every file `islands prepare` may write in its folder for these shard names: each shard
+    and its sidecar, the tokenizer's copy and the manifest."""
+    sidecars = [name for shard in shards for name in (shard, shard.removesuffix(".bin") + ".json")]
+    return [*sidecars, *(f"{TOKENIZER_COPY}/{name}" for name in TOKENIZER_FILES), MANIFEST]
+
+
 def foreign_files(dst: str, names: list[str]) -> list[str]:
-    """Those of `names` (what `islands prepare` writes: shards, their sidecars, the manifest) that
-    are in the folder `dst` and that prepare did not write: a manifest that is not a dataset's, a
-    sidecar that is not a shard's entry, a shard no sidecar names. Prepare replaces none of them
-    unless told to (--force)."""
+    """Those of `names` (`prepared_names`) that are in the folder `dst` and that prepare did not
+    write: a manifest that is not a dataset's, a sidecar that is not a shard's entry, a shard no
+    sidecar names, a tokenizer file its manifest does not name with these bytes' sha256. Prepare
+    replaces none of them unless told to (--force)."""
     fs, root = fsspec.core.url_to_fs(dst)
     folder = root.rstrip("/")
     return [name for name in names if fs.exists(f"{folder}/{name}") and not _prepared(fs, folder, name)]
@@ -93,6 +101,10 @@ def _prepared(fs, folder: str, name: str) -> bool:
         if name == MANIFEST:
             Dataset.model_validate_json(fs.cat_file(f"{folder}/{name}"))
             return True
+        if name.startswith(TOKENIZER_COPY + "/"):
+            named = Dataset.model_validate_json(fs.cat_file(f"{folder}/{MANIFEST}")).tokenizer.files
+            sha = hashlib.sha256(fs.cat_file(f"{folder}/{name}")).hexdigest()
+            return named.get(name.removeprefix(TOKENIZER_COPY + "/")) == sha
         shard = name.removesuffix(".json") + ".bin" if name.endswith(".json") else name
         sidecar = shard.removesuffix(".bin") + ".json"
         return (
