@@ -217,3 +217,12 @@ def test_a_learner_whose_last_delta_missed_a_round_is_waited_for_in_the_next():
         close=False, reason=None, recheck_at=1104.0, waiting_for=("c",)
     )
     assert at(1104.0, fresh, seen, policy, 0.5).reason == "quorum+grace"
+
+
+def test_a_round_with_no_learner_left_to_wait_for_closes_at_once():
+    """Learners known down are left out of `learners`: with none left, nothing is waited for."""
+    policy = QuorumSettings(min_quorum=2, max_quorum=3, round_timeout_s=600)
+    d = decide(policy, 1000.0, 1000.5, {}, [], {})
+    assert d.close and d.reason == "all-in"
+    d = decide(policy, 1000.0, 1001.0, {"a-0": 1000.8}, ["a-0"], {})
+    assert d.close and d.reason == "all-in"

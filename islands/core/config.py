@@ -247,6 +247,12 @@ class RunConfig(BaseModel):
         "ddp",
         description="How a torchrun phase splits the work: ddp (every GPU holds the model and its optimizer) or fsdp (FSDP2 shards parameters, gradients and optimizer state over the GPUs, for a model that does not fit one GPU with its optimizer).",
     )
+    learner_relaunches: int = Field(
+        2,
+        ge=0,
+        le=100,
+        description="Times the driver relaunches a learner whose flow run failed or crashed, from its saved state; one that dies again after that is given up, and the run ends with exit status 1 (at once when no learner is left).",
+    )
     torch_threads: int | None = Field(None, ge=1, description="Threads per learner (default: cores shared evenly).")
     eval_batches: int = Field(16, gt=0, description="Held-out batches in each evaluation of a round's checkpoint.")
     eval_every: int = Field(

@@ -81,7 +81,7 @@ def decide(
     missing = tuple(sorted(name for name in learners if name not in arrived))
     deadline = started_at + policy.round_timeout_s
     max_quorum = policy.max_quorum or len(learners)
-    if len(arrived) >= max_quorum or (learners and not missing):
+    if len(arrived) >= max_quorum or not missing:  # no learner left to wait for (every one in, or down)
         return Decision(close=True, reason="all-in", recheck_at=None, waiting_for=())
 
     if len(arrived) >= policy.min_quorum:

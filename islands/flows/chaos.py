@@ -120,6 +120,10 @@ class Chaos:
             outcome = "killed (SIGKILL)" if proc.returncode == -signal.SIGKILL else f"exited with {proc.returncode}"
             self._note(f"round {r}: synchronizer {outcome} at {point}; the driver resumes the round")
 
+    def due(self, r: int) -> list[str]:
+        """The regions whose learners are killed once round r is published."""
+        return self.kills.get(r, []) + self.restarts.get(r, [])
+
     def after_round(
         self, run: str, r: int, learners: list[tuple[str, str, int]], relaunch: Callable[[str, str], UUID]
     ) -> list[UUID]:
@@ -127,7 +131,7 @@ class Chaos:
         from islands.flows.learner_runs import kill_learners
 
         launched = []
-        for region in self.kills.get(r, []) + self.restarts.get(r, []):
+        for region in self.due(r):
             if region in self.dead:
                 note = f"round {r}: {region}'s learners are down since an earlier kill"
             else:

@@ -176,6 +176,8 @@ def execute(
             print(f"Prefect UI: {hint}; flow runs are named {summary['run_id']}/round-NNN", file=sys.stderr)
     if as_json:
         print(json.dumps(summary))
+    if summary.get("failed"):
+        return fail(f"{summary['run_id']}: {summary['failed']}", 1)
     return 0
 
 

@@ -31,6 +31,7 @@ from islands.flows.artifacts import RunProgress, publish_report
 from islands.flows.buckets import prepare_buckets
 from islands.flows.chaos import Chaos
 from islands.flows.learner_runs import retire_learners
+from islands.flows.learner_watch import LearnerWatch
 from islands.flows.outer_round import outer_round, summarize
 from islands.ops.progress import ProgressView
 from islands.storage import layout, lease
@@ -83,10 +84,6 @@ def launch_learner(config: RunConfig, store: str, learner: str, region: str, epo
         tags=[config.run_id, region],
     )
     return fr.id
-
-
-def launch_learners(config: RunConfig, store: str, epoch: int) -> list[UUID]:
-    return [launch_learner(config, store, learner, region, epoch) for learner, region, _ in config.learners()]
 
 
 def wait_learners(ids: list[UUID], timeout_s: float, cancel: bool) -> dict[str, str]:
@@ -172,34 +169,70 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
     if retired:
         log.warning("%s: learner runs %s of an earlier driver never ended; marked cancelled", run, ", ".join(retired))
     ended = config.ended_by(newest.round, newest.eval_loss, newest.tokens_applied)
-    learner_ids = launch_learners(config, store, epoch) if ended is None else []
-    log.info(
-        "%s: %d learners launched under driver epoch %d; from round %d until %s",
-        run,
-        len(learner_ids),
-        epoch,
-        start + 1,
-        config.end_rule(),
-    )
-    try:
-        r = start
-        while ended is None:
-            r += 1
-            chaos.crash_round(run, r, store)
-            published = run_round(run, r, store)
-            view.round(published)
-            progress.update(r)
-            crash_point("round.after_publish", r)
-            learner_ids += chaos.after_round(
-                run, r, config.learners(), lambda learner, region: launch_learner(config, store, learner, region, epoch)
-            )
-            ended = config.ended_by(r, published["eval_loss"], published["tokens_applied"])
-    finally:
-        if ended is not None:
-            log.info("%s: done: %s", run, ended)
-            progress.end(ended)
-            stores.global_.put_if_absent(layout.stop_key(run), json.dumps({"rounds": r, "why": ended}).encode())
-        learner_states = wait_learners(learner_ids, LEARNER_EXIT_S, cancel=ended is None) if learner_ids else {}
+    failed = None
+
+    def report(line: str) -> None:
+        log.warning("%s: %s", run, line)
+        view.note(line)
+
+    def launch(learner: str, region: str) -> UUID:
+        flow_run_id = launch_learner(config, store, learner, region, epoch)
+        watch.launched(learner, flow_run_id)
+        return flow_run_id
+
+    watch = LearnerWatch(config, stores.global_, epoch, report)
+    with watch:
+        if ended is None:
+            for learner, region, _ in config.learners():
+                launch(learner, region)
+        log.info(
+            "%s: %d learners launched under driver epoch %d; from round %d until %s",
+            run,
+            len(watch.flow_runs()),
+            epoch,
+            start + 1,
+            config.end_rule(),
+        )
+        try:
+            r = start
+            while ended is None:
+                r += 1
+                chaos.crash_round(run, r, store)
+                try:
+                    published = run_round(run, r, store)
+                except Exception:
+                    if not watch.none_left():
+                        raise
+                    published = None
+                if published is not None:
+                    view.round(published)
+                    progress.update(r)
+                    crash_point("round.after_publish", r)
+                    killed = [learner for learner, region, _ in config.learners() if region in chaos.due(r)]
+                    watch.taken_down(killed, "stopped by --chaos")
+                    chaos.after_round(run, r, config.learners(), launch)
+                for learner, region in watch.to_relaunch():
+                    launch(learner, region)
+                    report(f"learner {learner} ({region}) relaunched from its saved state")
+                if watch.none_left():
+                    lost = "; ".join(f"{learner}: {why}" for learner, why in watch.given_up().items())
+                    ended = failed = f"no learner left to train ({lost or 'all stopped'})"
+                    r -= published is None
+                else:
+                    ended = config.ended_by(r, published["eval_loss"], published["tokens_applied"])
+        finally:
+            if ended is not None:
+                log.info("%s: done: %s", run, ended)
+                progress.end(ended)
+                stores.global_.put_if_absent(layout.stop_key(run), json.dumps({"rounds": r, "why": ended}).encode())
+            watch.stop()
+            learner_ids = watch.flow_runs()
+            learner_states = wait_learners(learner_ids, LEARNER_EXIT_S, cancel=ended is None) if learner_ids else {}
+    lost = watch.given_up()
+    if lost and failed is None:
+        failed = "learners lost: " + "; ".join(f"{learner}: {why}" for learner, why in lost.items())
+    if failed:
+        log.error("%s: %s", run, failed)
     chain = with_eval_losses(stores.global_, [m for m, _ in read_chain(stores.global_, run)])
     rows = [summarize(m) for m in chain[1:]]
     summary = {
@@ -212,6 +245,7 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
         "wall_s": round(time.time() - t0, 1),
         "checkpoints": f"{stores.global_.url}/{layout.rounds_prefix(run)}",
         "learners": learner_states,
+        "failed": failed,
         **({"chaos": chaos.log} if chaos.log else {}),
     }
     publish_report(summary, rows, chain, stores)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 from islands.core.config import RunConfig
 from islands.storage.manifest import Manifest
@@ -44,8 +45,14 @@ class ProgressView:
             line += f"  [yellow]excluded: {len(s['excluded'])}[/]"
         self.console.print(line)
 
+    def note(self, line: str) -> None:
+        """An event between the round lines: a learner died, was relaunched or given up."""
+        self.console.print(f"[yellow]{self.run}: {escape(line)}[/]")
+
     def footer(self, summary: dict) -> None:
         c = self.console
+        if summary.get("failed"):
+            c.print(f"[bold red]failed[/]: {escape(summary['failed'])}")
         c.print(
             f"[bold green]done[/]: {summary['rounds_published']} rounds in {summary['wall_s']:.0f} s; eval loss "
             f"{loss_text(summary['eval_loss_round0'])} (round 0) → {loss_text(summary['eval_loss_final'])}"

@@ -168,3 +168,23 @@ def parse_driver_key(key: str) -> tuple[int, int | None] | None:
     """(epoch, beat seq) of a driver key — seq None for the claim itself — None for any other key."""
     m = _DRIVER.fullmatch(key)
     return (int(m.group(1)), int(m.group(2)) if m.group(2) else None) if m else None
+
+
+def liveness_prefix(run: str) -> str:
+    return f"runs/{run}/liveness/"
+
+
+def liveness_key(run: str, learner: str, epoch: int, seq: int, state: str) -> str:
+    """A learner's launch ("up") or death ("down") as its driver of epoch `epoch` saw it, event `seq`."""
+    return liveness_prefix(run) + f"{learner}/{epoch:06d}-{seq:04d}-{state}.json"
+
+
+_LIVENESS = re.compile(
+    rf"runs/{NAME}/liveness/({NAME}-[0-9]{{1,3}})/([0-9]{{6}})-([0-9]{{4}})-(up|down)\.json", re.ASCII
+)
+
+
+def parse_liveness_key(key: str) -> tuple[str, int, int, str] | None:
+    """(learner, epoch, seq, state) of a liveness key, None for any other key."""
+    m = _LIVENESS.fullmatch(key)
+    return (m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)) if m else None
