@@ -1,5 +1,5 @@
-"""What a collect poll lists: everything once, then only what is new in each learner's folder;
-and how it reads what it found."""
+"""What a collect poll lists: everything once, then only what is new in each learner's folder
+(tests/test_liveness_keys.py: what no key can hide); and how it reads what it found."""
 
 import threading
 import time
@@ -21,13 +21,13 @@ def store(request, tmp_path):
 
 
 def test_later_looks_list_only_new_keys_one_request_per_learner(store):
-    old = [layout.delta_key("r", learner, p) for learner in ("n-0", "n-1") for p in range(3)]
+    old = [layout.delta_key("run", learner, p) for learner in ("north-0", "north-1") for p in range(3)]
     for key in old:
         store.put_if_absent(key, b"d")
-    watch = DeltaWatch(store, "r", ["n-0", "n-1"])
+    watch = DeltaWatch(store, "run", ["north-0", "north-1"])
     assert set(watch.look()) == set(old)  # the first look lists everything
     assert watch.look() == {}
-    new = {layout.delta_key("r", "n-0", 3): 2, layout.delta_key("r", "n-1", 3): 2}
+    new = {layout.delta_key("run", "north-0", 3): 2, layout.delta_key("run", "north-1", 3): 2}
     for key in new:
         store.put_if_absent(key, b"dd")
     lists = store.io.lists
@@ -62,7 +62,7 @@ def test_new_deltas_are_read_two_at_a_time_in_order(monkeypatch):
         return key
 
     monkeypatch.setattr(collect, "inspect", slow_inspect)
-    state = SimpleNamespace(spool_dir=None, consumed_shas={}, model_norm=1.0, step_tokens=1)
+    state = SimpleNamespace(spool_dir=None, consumed_shas={}, consumed_bodies={}, model_norm=1.0, step_tokens=1)
     found = [("east", f"k{i}", 1) for i in range(6)]
     assert collect.inspect_all(state, found) == [key for _, key, _ in found]
     assert most[0] == collect.READERS == 2

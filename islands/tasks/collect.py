@@ -5,8 +5,9 @@ spool directory while it is hashed, parsed only by safetensors one tensor at a t
 by `islands.core.validate`; a bad one is quarantined with its reason, never merged and never looked at
 again. A good one stays on local disk until the merge, so memory does not grow with the number of
 deltas. Listing only discovers; the consumed set comes from manifests. A poll asks each
-learner's folder only for keys after the newest one seen (`DeltaWatch`), so it costs the same
-however many deltas the run has written.
+learner's folder only for what lies past the unbroken run of phase numbers it holds
+(`DeltaWatch`), so it costs the same however many deltas the run has written, and no key moves
+it past a learner's next delta.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from islands.core.validate import (
     read_claims,
     short,
 )
-from islands.storage import layout, liveness
+from islands.storage import layout
 from islands.storage.codec import CodecError, TensorFile
 from islands.storage.manifest import Excluded
 from islands.storage.spool import spool
@@ -41,6 +42,9 @@ from islands.storage.store import IntegrityError, ObjectMissing, ObjectStore, St
 from islands.tasks.round_state import RoundState
 
 READERS = 2  # deltas read at once (see inspect_all)
+# Delta keys spell their phase in six digits or more (layout.delta_key): below a million, their
+# text order is their phases' order; past it, a seven-digit key sorts before a six-digit one.
+TEXT_ORDERED = 10**6
 
 
 @dataclass
@@ -74,32 +78,68 @@ class Collected:
 class DeltaWatch:
     """New keys in one region's bucket under the run's deltas.
 
-    The first look lists everything there; later ones ask each of the region's learners'
-    folders for keys after the newest one seen (S3's StartAfter), one small request each.
-    `look(everything=True)` lists the whole prefix again: the round's last look does, so a key
-    outside the region's learners' folders (another region's learner, a stray object) is found
-    and quarantined in the round it came in."""
+    The first look lists the whole prefix. From it the watch takes each of the region's learners'
+    *floor*: the end of the unbroken run of phase numbers 0, 1, 2, … that its folder holds, keys
+    read by their parsed phase, never by their text. A learner writes its phases in that order
+    and skips a number it finds taken, so its next delta is the next number past its floor. Later
+    looks (polls) ask each folder only for what lies past the floor — below phase 1,000,000, where
+    text order is phase order, one listing after the floor's key (S3's StartAfter); from there on,
+    where a seven-digit key sorts before a six-digit one, the next numbers one by one — and move
+    the floor only along that run. So no key moves the view past a learner's next delta: not one
+    far ahead, whether it is quarantined or merged, nor one that sorts last as text. A key at the
+    very next number moves the floor by one and hides nothing: the learner cannot write there,
+    and writes under the number after it.
+
+    `look(everything=True)` lists the whole prefix again; the round's last look does. The full
+    listings are the last word, and are still needed: a poll asks only for a learner's numbers
+    past its floor, so a key outside the learners' folders (another region's learner, a stray
+    object), or a learner's delta that no poll reaches (past a hole in its numbers from phase
+    1,000,000 on), is found by a full listing — at the latest the next round's first look — and
+    is never hidden for good. A poll costs a request per learner (and one per new number from
+    phase 1,000,000 on) however many deltas the run holds; only the full listings, two a round
+    at most, grow with the run."""
 
     def __init__(self, store: ObjectStore, run: str, learners: list[str]):
         self.store, self.run = store, run
         self.folders = {learner: layout.learner_deltas_prefix(run, learner) for learner in learners}
-        self.newest: dict[str, str] | None = None  # learner → newest key seen in its folder
+        self.floor: dict[str, int] | None = None  # learner → end of its unbroken run of phases from 0 (−1: none)
+        self.ahead: dict[str, set[int]] = {learner: set() for learner in learners}  # phases seen past the floor
 
     def owned(self, key: str) -> bool:
         return any(key.startswith(folder) for folder in self.folders.values())
 
     def look(self, everything: bool = False) -> dict[str, int]:
-        if everything or self.newest is None:
+        if everything or self.floor is None:
             found = self.store.list(layout.deltas_prefix(self.run))
         else:
             found = {}
-            for learner, folder in self.folders.items():
-                found.update(self.store.list(folder, start_after=self.newest[learner] or None))
-        newest = self.newest or {}
-        self.newest = {
-            learner: max((k for k in found if k.startswith(folder)), default=newest.get(learner, ""))
-            for learner, folder in self.folders.items()
-        }
+            for learner in self.folders:
+                found.update(self.past_floor(learner))
+        floors = self.floor or {}
+        for key in found:
+            parsed = layout.parse_delta_key(key)
+            if parsed is not None and parsed[0] in self.ahead and key.startswith(self.folders[parsed[0]]):
+                self.ahead[parsed[0]].add(parsed[1])
+        self.floor = {}
+        for learner, ahead in self.ahead.items():
+            floor = floors.get(learner, -1)
+            while floor + 1 in ahead:
+                floor += 1
+            self.floor[learner] = floor
+            self.ahead[learner] = {phase for phase in ahead if phase > floor}
+        return found
+
+    def past_floor(self, learner: str) -> dict[str, int]:
+        """Keys of `learner`'s folder past its floor's key as text (below TEXT_ORDERED), else the
+        keys of the numbers after its floor, up to the first that is free."""
+        floor = self.floor[learner]
+        if floor + 1 < TEXT_ORDERED:
+            after = layout.delta_key(self.run, learner, floor) if floor >= 0 else None
+            return self.store.list(self.folders[learner], start_after=after)
+        found, phase = {}, floor + 1
+        while (size := self.store.size(key := layout.delta_key(self.run, learner, phase))) is not None:
+            found[key] = size
+            phase += 1
         return found
 
 
@@ -256,7 +296,7 @@ def collect(state: RoundState) -> Collected:
             if a.learner in current:
                 current[a.learner] = current[a.learner].seen(a.finished_at, a.seconds)
         now = time.time()
-        decision = decide(cfg.quorum, started, now, fresh, alive, current, listing_s=cfg.quorum.poll_s)
+        decision = decide(cfg.quorum, started, now, fresh, learners, current, listing_s=cfg.quorum.poll_s)
         if decision.close:
             if looks > 1:  # the first look listed everything already
                 look(last=True)
@@ -276,18 +316,3 @@ def collect(state: RoundState) -> Collected:
         len(quarantined),
     )
     return Collected(sorted(arrivals, key=lambda a: (a.learner, a.phase)), quarantined, decision, waited)
-    down: dict[str, str] = {}
-
-    def known_down(fresh: dict[str, float]) -> dict[str, str]:
-        """Learners their driver recorded down (islands.storage.liveness): the round waits for
-        them no more. A delta of theirs already in still counts."""
-        now_down = {k: v for k, v in liveness.down(state.stores.global_, state.run).items() if k not in fresh}
-        for learner in sorted(now_down.keys() - down.keys()):
-            log.warning(
-                "%s round %d: not waiting for learner %s: down (%s)", state.run, state.round, learner, now_down[learner]
-            )
-        down.clear()
-        down.update(now_down)
-        return now_down
-
-        alive = [name for name in learners if name not in known_down(fresh)]
