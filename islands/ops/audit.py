@@ -41,7 +41,16 @@ from islands.core.model import build_model, params_of
 from islands.core.validate import claimed_tokens
 from islands.ops.witness import Witness
 from islands.storage import layout
-from islands.storage.codec import CodecError, decode, decode_state, encode_state, encode_wire, packed, read_header
+from islands.storage.codec import (
+    CodecError,
+    body_sha256,
+    decode,
+    decode_state,
+    encode_state,
+    encode_wire,
+    packed,
+    read_header,
+)
 from islands.storage.manifest import Contribution, Manifest, ObjectRef
 from islands.storage.model_files import local_model, step_tokens
 from islands.storage.rounds import checkpoint_metadata, object_header, read_config, read_evaluation
@@ -131,6 +140,7 @@ class _Audit:
         self.report = AuditReport(run=run, replayed=0 if replay else None)
         self.named: dict[tuple[str, str], int] = {}  # (region, delta key) → the round whose manifest named it
         self.merged: dict[str, tuple[int, str]] = {}  # delta sha256 → (round, key) that merged it
+        self.merged_bodies: dict[str, tuple[int, str]] = {}  # its tensor bytes' sha256 → (round, key)
         self.applied = 0  # tokens merged into the rounds walked so far
         self.books: dict[str, Counter] = defaultdict(Counter)
 
@@ -356,11 +366,20 @@ class _Audit:
                     self.problem(r, c.key, f"merged, yet its header does not read: {exc}")
                     continue
                 self.check_claims(r, c, meta)
+                self.check_tensors_once(r, c, body_sha256(data))
         for e in m.excluded:
             self.claim(r, e.region, e.key)
             self.books[e.learner or "?"]["dropped"] += e.tokens
             if e.sha256 is not None and (store := self.region_store(r, e.key, e.region)) is not None:
                 self.fetch(r, store, e.key, e.sha256, None)
+
+    def check_tensors_once(self, r: int, c: Contribution, body: str) -> None:
+        """The same tensor bytes, under whatever key and metadata, are merged once."""
+        if c.body_sha256 is not None and c.body_sha256 != body:
+            self.problem(r, c.key, f"body_sha256 {c.body_sha256[:12]}… recorded, its tensor bytes hash to {body[:12]}…")
+        first_round, first_key = self.merged_bodies.setdefault(body, (r, c.key))
+        if first_key != c.key and self.merged[c.sha256][1] == c.key:  # a copy of all its bytes is named already
+            self.problem(r, c.key, f"same tensors as {first_key}, merged in round {first_round}: applied twice")
 
     def check_claims(self, r: int, c: Contribution, meta: dict[str, str]) -> None:
         """What the delta says about itself must be what the manifest recorded."""

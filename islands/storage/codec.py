@@ -137,8 +137,28 @@ def read_header(data: bytes, object_size: int | None = None) -> tuple[dict, dict
 def check_body(data: bytes, metadata: dict[str, str]) -> None:
     """The tensor bytes must match the sha256 the writer recorded (when it recorded one)."""
     if BODY_SHA256 in metadata:
-        (n,) = struct.unpack("<Q", data[:8])
-        check_body_sha256(metadata, hashlib.sha256(memoryview(data)[8 + n :]).hexdigest())
+        check_body_sha256(metadata, body_sha256(data))
+
+
+def body_sha256(data: bytes) -> str:
+    """The sha256 of a safetensors object's tensor bytes (those after the header its first 8 bytes
+    announce), whatever its header says."""
+    (n,) = struct.unpack("<Q", data[:8])
+    return hashlib.sha256(memoryview(data)[8 + n :]).hexdigest()
+
+
+def restamped(data: bytes, **metadata: str) -> bytes:
+    """The canonical object `data` with these metadata fields set: the very bytes that encoding its
+    tensors with that metadata gives, the tensor bytes untouched (a learner's delta and state
+    written under another phase number than they were encoded for)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__", None) or {}
+    body = body_sha256(data)
+    if meta.get(BODY_SHA256, body) != body:
+        raise CodecError("tensor bytes do not match the body_sha256 in the header")
+    header["__metadata__"] = {**meta, **metadata}
+    return canonical_header(json.dumps(header).encode(), body) + data[8 + n :]
 
 
 def check_body_sha256(metadata: dict[str, str], body_sha256: str) -> None:

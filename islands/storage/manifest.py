@@ -61,6 +61,7 @@ class Contribution(_Strict):
     seconds: float  # how long the learner's phase took
     seen_at: float  # the synchronizer's clock when it first listed the delta
     norm: float | None = None  # the delta's L2 norm, which later rounds' norm limit compares with
+    body_sha256: str | None = None  # of its tensor bytes: the same tensors under another key are a duplicate
 
 
 class Excluded(_Strict):
@@ -74,6 +75,7 @@ class Excluded(_Strict):
     phase: int | None = None
     tokens: int = 0
     sha256: str | None = None
+    body_sha256: str | None = None  # of its tensor bytes, where they read as such
 
 
 class RoundSettings(_Strict):

@@ -7,7 +7,9 @@ again. A good one stays on local disk until the merge, so memory does not grow w
 deltas. Listing only discovers; the consumed set comes from manifests. A poll asks each
 learner's folder only for what lies past the unbroken run of phase numbers it holds
 (`DeltaWatch`), so it costs the same however many deltas the run has written, and no key moves
-it past a learner's next delta.
+it past a learner's next delta. A delta is judged once by its bytes and once by its tensors: the
+same tensors under another key (a new phase number, say) as a delta already merged or
+quarantined are quarantined too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from prefect import get_run_logger, task
@@ -60,11 +63,26 @@ class Arrival:
     loss: float
     bytes: int
     sha256: str
+    body_sha256: str  # of its tensor bytes: the same tensors under another key are a duplicate
     seconds: float
     finished_at: float
     norm: float  # global L2 norm, for spotting outliers among the round's deltas
     delta: TensorFile = field(repr=False)  # the checked copy in the round's spool directory
     seen_at: float | None = None  # the collector's clock at the listing that found it
+
+    def excluded(self, kind: Literal["quarantined", "dropped"], reason: str) -> Excluded:
+        """This delta's record as left out of the round."""
+        return Excluded(
+            kind=kind,
+            key=self.key,
+            reason=reason,
+            learner=self.learner,
+            region=self.region,
+            phase=self.phase,
+            tokens=self.tokens,
+            sha256=self.sha256,
+            body_sha256=self.body_sha256,
+        )
 
 
 @dataclass
@@ -166,7 +184,7 @@ def inspect(state: RoundState, region: str, key: str, size: int) -> Arrival | Ex
 
 def _judge(state: RoundState, region: str, key: str, size: int, path: Path, known: dict) -> Arrival:
     """`inspect`'s checks, in order of cost; each fault raises. `known` gathers the delta's
-    learner, phase, sha256 and capped tokens as they are established, for a quarantine record."""
+    learner, phase, sha256s and capped tokens as they are established, for a quarantine record."""
     parsed = layout.parse_delta_key(key)
     if parsed is None:
         raise Invalid("not a delta key of this layout")
@@ -183,6 +201,10 @@ def _judge(state: RoundState, region: str, key: str, size: int, path: Path, know
     if dup is not None:
         raise Invalid(f"duplicate of consumed delta {dup}")
     delta = TensorFile(path, got.body_sha256)
+    known["body_sha256"] = body = got.body_sha256  # tensor bytes that read as such, and no others
+    dup = state.consumed_bodies.get(body)
+    if dup is not None:
+        raise Invalid(f"same tensors as {dup}, already consumed")
     cfg = state.config
     known["tokens"] = claimed_tokens(delta.metadata, cfg.inner_steps, state.step_tokens)
     expected = Expected(state.run, learner, region, phase, state.round - 1, cfg.inner_steps, state.step_tokens)
@@ -202,11 +224,25 @@ def _judge(state: RoundState, region: str, key: str, size: int, path: Path, know
         loss=claims.loss,
         bytes=got.bytes,
         sha256=sha,
+        body_sha256=body,
         seconds=claims.seconds,
         finished_at=claims.finished_at if claims.finished_at is not None else time.time(),
         norm=norm,
         delta=delta,
     )
+
+
+def first_with_its_tensors(found: Arrival | Excluded, bodies: dict[str, str]) -> Arrival | Excluded:
+    """`found`, or, when it is a valid delta whose tensor bytes a delta looked at before it in
+    this round had too (merged or quarantined), that delta quarantined as a duplicate. `bodies`
+    (body_sha256 → key) holds what was looked at, in order; `found`'s tensors join it."""
+    if found.body_sha256 is None:
+        return found
+    first = bodies.setdefault(found.body_sha256, found.key)
+    if first == found.key or not isinstance(found, Arrival):
+        return found
+    found.delta.path.unlink(missing_ok=True)
+    return found.excluded("quarantined", short(f"same tensors as {first}"))
 
 
 def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Arrival | Excluded | None]:
@@ -219,6 +255,7 @@ def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Ar
     _ = (
         state.spool_dir,
         state.consumed_shas,
+        state.consumed_bodies,
         state.model_norm,
         state.step_tokens,
     )  # made once, before the readers share them
@@ -257,6 +294,7 @@ def collect(state: RoundState) -> Collected:
         for region, store in state.stores.regions.items()
     }
     seen: dict[tuple[str, str], Arrival | Excluded] = {}  # by (region, key): a key may be in two buckets
+    bodies: dict[str, str] = {}  # body_sha256 → key of the deltas seen this round, in the order looked at
 
     def look(last: bool = False) -> None:
         """Inspect what is new; on the last look, only keys outside the learners' folders (a
@@ -275,7 +313,7 @@ def collect(state: RoundState) -> Collected:
                     "%s round %d: %s not read (the store did not answer); again later", state.run, state.round, key
                 )
                 continue
-            seen[region, key] = found
+            seen[region, key] = found = first_with_its_tensors(found, bodies)
             if isinstance(found, Arrival):
                 found.seen_at = listed_at
             if isinstance(found, Excluded):

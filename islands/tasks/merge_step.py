@@ -111,16 +111,7 @@ def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeSettings)
 
 
 def quarantined(a: Arrival, reason: str) -> Excluded:
-    return Excluded(
-        kind="quarantined",
-        key=a.key,
-        reason=reason,
-        learner=a.learner,
-        region=a.region,
-        phase=a.phase,
-        tokens=a.tokens,
-        sha256=a.sha256,
-    )
+    return a.excluded("quarantined", reason)
 
 
 def merge_finite(state: RoundState, arrivals: list[Arrival], rule: MergeSettings, excluded: list[Excluded]):
@@ -162,18 +153,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
-        excluded.append(
-            Excluded(
-                kind="dropped",
-                key=a.key,
-                reason=d.reason,
-                learner=a.learner,
-                region=a.region,
-                phase=a.phase,
-                tokens=a.tokens,
-                sha256=a.sha256,
-            )
-        )
+        excluded.append(a.excluded("dropped", d.reason))
     if model is None:
         why = (
             f"{len(excluded)} excluded"
@@ -202,6 +182,7 @@ def merge(state: RoundState, collected: Collected) -> Merged:
                 bytes=a.bytes,
                 key=a.key,
                 sha256=a.sha256,
+                body_sha256=a.body_sha256,
                 finished_at=a.finished_at,
                 seconds=a.seconds,
                 seen_at=a.seen_at,

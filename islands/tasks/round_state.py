@@ -98,6 +98,18 @@ class RoundState:
         """sha256 → key of every delta already merged, for spotting re-submitted copies."""
         return {c.sha256: c.key for m, _ in self.chain for c in m.contributions}
 
+    @cached_property
+    def consumed_bodies(self) -> dict[str, str]:
+        """body_sha256 → key of every delta already merged, quarantined or dropped whose tensor
+        bytes read as such: the same tensors under a new key (a new phase number) are not taken
+        again, whatever metadata they come with."""
+        bodies: dict[str, str] = {}
+        for m, _ in self.chain:
+            for item in [*m.contributions, *m.excluded]:
+                if item.body_sha256 is not None:
+                    bodies.setdefault(item.body_sha256, item.key)
+        return bodies
+
     def history(self) -> dict[str, LearnerHistory]:
         """Each learner's recent phase times, last arrival and time between arrivals, from the
         manifests; arrivals on the synchronizer's clock (when it saw a delta) where they say it."""
