@@ -83,23 +83,40 @@ def round_row(m: Manifest) -> dict:
     }
 
 
+READ_AT_MOST = 16  # objects read back from a learner's newest key, looking for its newest delta
+
+
 def newest_delta(stores: Stores, run: str, learner: str, region: str) -> dict | None:
-    """Phase, finish time and phase seconds of the learner's newest delta, from its metadata."""
+    """Phase, finish time and phase seconds of the learner's newest delta, from its metadata.
+
+    Newest by phase, among the objects under its delta keys that read as its deltas (`reports`):
+    anyone holding its keys may write anything there, and a key of junk is not its newest delta
+    (nor is a finish time of 0, in 1970). At most READ_AT_MOST of them are read, newest first."""
     store = stores.region(region)
     phases = {
         parsed[1]: key
         for key in store.list(layout.learner_deltas_prefix(run, learner))
         if (parsed := layout.parse_delta_key(key)) and parsed[0] == learner
     }
-    if not phases:
-        return None
-    meta = reported_metadata(store, phases[max(phases)])
-    # The learner's own words: read within their bounds, so no delta can make status fail.
-    return {
-        "phase": max(phases),
-        "finished_at": read_field(meta, "finished_at", 0.0),
-        "seconds": read_field(meta, "seconds", 0.0),
-    }
+    for phase in sorted(phases, reverse=True)[:READ_AT_MOST]:
+        meta = reported_metadata(store, phases[phase])
+        # The learner's own words: read within their bounds, so no delta can make status fail.
+        if reports(meta, run, learner, region, phase):
+            return {
+                "phase": phase,
+                "finished_at": read_field(meta, "finished_at", 0.0),
+                "seconds": read_field(meta, "seconds", 0.0),
+            }
+    return None
+
+
+def reports(meta: dict, run: str, learner: str, region: str, phase: int) -> bool:
+    """Whether a delta's metadata reads as the report of its key's phase: it names the run, the
+    learner, its region and the key's phase, and says when it finished."""
+    said = {name: read_field(meta, name, "") for name in ("run", "learner", "region", "phase")}
+    return said == {"run": run, "learner": learner, "region": region, "phase": phase} and (
+        read_field(meta, "finished_at", 0.0) > 0
+    )
 
 
 def liveness(finished: bool, flow_state: str | None, age_s: float, usual_s: float | None) -> str:

@@ -19,8 +19,10 @@ about to apply anyway, and the outer momentum applies that direction twice.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from islands.core.model import build_model, params_of
 from islands.core.pace import phase_steps
 from islands.storage import layout
 from islands.storage.cache import regional_get
-from islands.storage.codec import decode, decode_state, encode_state, encode_wire
+from islands.storage.codec import decode, decode_state, encode_state, encode_wire, restamped
 from islands.storage.lease import Watch
 from islands.storage.manifest import Manifest, ObjectRef
 from islands.storage.model_files import local_model
@@ -63,6 +65,17 @@ def phase_after(states: Iterable[int], deltas: Iterable[int]) -> int:
     while phase in taken:
         phase += 1
     return phase
+
+
+def holds(store: ObjectStore, key: str, data: bytes) -> bool:
+    """Whether `key` holds exactly `data` (a retried write of the same bytes); an object of
+    another size is not read."""
+    if store.size(key) != len(data):
+        return False
+    digest = hashlib.sha256()
+    for chunk in store.get_chunks(key, max_bytes=len(data)):
+        digest.update(chunk)
+    return digest.hexdigest() == sha256_hex(data)
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,9 @@ class LearnerSession:
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
     unmerged: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # phase → delta no round holds yet
     rate: float | None = None  # tokens/s of this learner's last phase (islands.core.pace)
+    written: int = -1  # the highest phase number this process wrote a delta under
+    placed: dict[int, int] = field(default_factory=dict)  # phase → the number its delta went under, once written
+    placing: threading.Lock = field(default_factory=threading.Lock, repr=False)  # `placed`: uploads write, phases read
 
     @property
     def global_store(self) -> ObjectStore:
@@ -224,9 +240,44 @@ class LearnerSession:
 
     def reference(self, held: Held) -> dict[str, torch.Tensor]:
         """The point this learner's steps count from on the held round: θ_r, or with `carry`, θ_r
-        plus its own progress that round r has not merged yet (so its weights keep it)."""
-        self.unmerged = {q: d for q, d in self.unmerged.items() if q not in held[1].consumed}
+        plus its own progress that round r has not merged yet (so its weights keep it). A phase
+        counts as merged by the number its delta was written under; one not written yet is not."""
+        with self.placing:
+            self.unmerged = {q: d for q, d in self.unmerged.items() if self.placed.get(q) not in held[1].consumed}
+            self.placed = {q: n for q, n in self.placed.items() if q in self.unmerged}
         return carried(held[1].params, list(self.unmerged.values()))
+
+    def phase_from(self, phase: int) -> int:
+        """The number a phase that was to be `phase` takes: past every number this process's
+        uploads have written under (they skip numbers they find taken)."""
+        return max(phase, self.written + 1)
+
+    def place_delta(self, phase: int, delta: bytes, round_: int, logger) -> int:
+        """Write `phase`'s delta under the first number from `phase_from(phase)` on that is free,
+        and return that number. A number that holds an object this learner did not write (its
+        keys in other hands, a careless operator) is skipped with a warning, never a failure: the
+        delta goes under the next number, its metadata naming that one (`restamped`)."""
+        store = self.regional_store
+        number = self.phase_from(phase)
+        while True:
+            key = layout.delta_key(self.run, self.learner, number)
+            data = delta if number == phase else restamped(delta, phase=str(number))
+            if store.put_if_absent(key, data) or holds(store, key, data):
+                break
+            logger.warning(
+                "%s round %d: learner %s (%s): %s holds an object this learner did not write; "
+                "its delta goes under phase %d instead",
+                self.run,
+                round_,
+                self.learner,
+                self.region,
+                key,
+                number + 1,
+            )
+            number += 1
+        with self.placing:
+            self.placed[phase] = self.written = number
+        return number
 
     def rebase_offer(self, moves: list[int]):
         """For run_phase: a round newer than moves[-1] (and still part of the run), once; each
@@ -295,6 +346,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         rebase=session.rebase_offer(moves),
     )
     base_round = session.last_base = moves[-1]
+    phase = session.phase_from(phase)
     if result.seconds > 0:
         session.rate = result.tokens / result.seconds
     if result.steps == 0:
@@ -333,13 +385,14 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
             log.warning("%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt)
             return
         crash_point("phase.before_delta", phase, session.crash)
-        store.put_or_verify(layout.delta_key(session.run, session.learner, phase), delta)
+        number = session.place_delta(phase, delta, base_round, log)
         crash_point("phase.after_delta", phase, session.crash)
         # The delta first: a crash before the state is saved re-trains from the older state, it
-        # never loses a finished delta.
-        store.put_or_verify(layout.learner_state_key(session.run, session.learner, phase), state)
+        # never loses a finished delta. The state goes under the delta's number.
+        saved = state if number == phase else restamped(state, phase=str(number))
+        store.put_or_verify(layout.learner_state_key(session.run, session.learner, number), saved)
         crash_point("phase.after_state", phase, session.crash)
-        session.collect_old_states(phase)
+        session.collect_old_states(number)
 
     session.uploads.submit(upload)
     if cfg.carry:
