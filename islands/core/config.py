@@ -187,7 +187,7 @@ class RunConfig(BaseModel):
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer of a text corpus (or the one its token shards were made with): a tokenizer.json or a Hugging Face tokenizer folder (empty: bytes, vocabulary 256). Its vocabulary must fit the model's; islands export writes it beside the model.",
+        description="Tokenizer of a text corpus (or the one its token shards were made with, which must be the copy `islands prepare` kept beside them): a tokenizer.json or a Hugging Face tokenizer folder (empty: the token shards' own copy; for text, bytes, vocabulary 256). Its vocabulary must fit the model's; islands export writes it beside the model.",
     )
     seed: int = Field(0, description="Seed of the initial model and of every learner's data order.")
     speed: dict[str, float] = Field(

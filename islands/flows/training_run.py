@@ -26,8 +26,7 @@ from prefect.settings import temporary_settings
 from prefect.states import Cancelling
 
 from islands.core.config import RunConfig, new_run_id, store_template
-from islands.core.validate import read_field
-from islands.flows.artifacts import RunProgress, publish_report
+from islands.flows.artifacts import RunProgress, bytes_sent, publish_report
 from islands.flows.buckets import prepare_buckets
 from islands.flows.chaos import Chaos
 from islands.flows.learner_runs import retire_learners
@@ -35,7 +34,7 @@ from islands.flows.learner_watch import LearnerWatch
 from islands.flows.outer_round import outer_round, summarize
 from islands.ops.progress import ProgressView
 from islands.storage import layout, lease
-from islands.storage.rounds import evaluated, latest_round, read_chain, reported_metadata, with_eval_losses
+from islands.storage.rounds import evaluated, latest_round, read_chain, with_eval_losses
 from islands.storage.store import Stores
 from islands.tasks.crash import LEARNER_POINTS, armed, crash_point, parse
 from islands.tasks.evaluate import round_loss
@@ -107,31 +106,6 @@ def run_round(run: str, round_: int, store: str) -> dict:
     one-second steps, which held each round's end up to a second before the next could begin."""
     with temporary_settings(updates={"flows.heartbeat_frequency": None}):
         return outer_round(run_id=run, round=round_, store=store)
-
-
-def bytes_by_region(config: RunConfig, stores: Stores) -> dict[str, dict[str, int]]:
-    """Bytes each region's learners wrote and read, from the counters of each one's newest delta
-    whose header reads."""
-    out = {}
-    for region in config.regions:
-        store = stores.region(region)
-        keys: dict[str, list[str]] = {}
-        for key in sorted(store.list(layout.deltas_prefix(config.run_id))):
-            parsed = layout.parse_delta_key(key)
-            if parsed:
-                keys.setdefault(parsed[0], []).append(key)
-        written = read = 0
-        for own in keys.values():
-            meta = next((m for key in reversed(own) if (m := reported_metadata(store, key))), {})
-            written += read_field(meta, "io_written", 0)
-            read += read_field(meta, "io_read", 0)
-        out[region] = {"written": written, "read": read}
-    g = stores.global_.io
-    out["synchronizer"] = {
-        "written": g.bytes_written,
-        "read": g.bytes_read + sum(s.io.bytes_read for s in stores.regions.values()),
-    }
-    return out
 
 
 @flow(name="training-run", flow_run_name=_name)
@@ -241,7 +215,7 @@ def drive(config: RunConfig, stores: Stores, start: int, epoch: int, chaos: Chao
         "ended": ended,
         "eval_loss_round0": chain[0].eval_loss,
         "eval_loss_final": chain[-1].eval_loss,
-        "bytes": bytes_by_region(config, stores),
+        "bytes": bytes_sent(config, stores, chain),
         "wall_s": round(time.time() - t0, 1),
         "checkpoints": f"{stores.global_.url}/{layout.rounds_prefix(run)}",
         "learners": learner_states,
