@@ -37,7 +37,7 @@ from islands.core.validate import (
     read_claims,
     short,
 )
-from islands.storage import layout
+from islands.storage import layout, liveness
 from islands.storage.codec import CodecError, TensorFile
 from islands.storage.manifest import Excluded
 from islands.storage.spool import spool
@@ -319,6 +319,20 @@ def collect(state: RoundState) -> Collected:
             if isinstance(found, Excluded):
                 log.warning("%s round %d: quarantined %s: %s", state.run, state.round, key, found.reason)
 
+    down: dict[str, str] = {}
+
+    def known_down(fresh: dict[str, float]) -> dict[str, str]:
+        """Learners their driver recorded down (islands.storage.liveness): the round waits for
+        them no more. A delta of theirs already in still counts."""
+        now_down = {k: v for k, v in liveness.down(state.stores.global_, state.run).items() if k not in fresh}
+        for learner in sorted(now_down.keys() - down.keys()):
+            log.warning(
+                "%s round %d: not waiting for learner %s: down (%s)", state.run, state.round, learner, now_down[learner]
+            )
+        down.clear()
+        down.update(now_down)
+        return now_down
+
     started, looks = time.time(), 0
     while True:
         look()
@@ -333,8 +347,9 @@ def collect(state: RoundState) -> Collected:
                 fresh[a.learner] = min(fresh.get(a.learner, a.seen_at), a.seen_at)
             if a.learner in current:
                 current[a.learner] = current[a.learner].seen(a.finished_at, a.seconds)
+        alive = [name for name in learners if name not in known_down(fresh)]
         now = time.time()
-        decision = decide(cfg.quorum, started, now, fresh, learners, current, listing_s=cfg.quorum.poll_s)
+        decision = decide(cfg.quorum, started, now, fresh, alive, current, listing_s=cfg.quorum.poll_s)
         if decision.close:
             if looks > 1:  # the first look listed everything already
                 look(last=True)
