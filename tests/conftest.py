@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from islands.core.config import embedded_buckets
+
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -68,7 +70,7 @@ def islands_stack(tmp_path_factory):
     from islands.infra.stack import LocalStack
 
     home = tmp_path_factory.mktemp("islands-stack")
-    stack = LocalStack(home, ["islands-global", *(f"islands-{r}" for r in STACK_REGIONS)], keep=False)
+    stack = LocalStack(home, embedded_buckets(STACK_REGIONS), keep=False)
     with pytest.MonkeyPatch.context() as mp:
         # The learner runner (and each learner it starts) can import the tests' python: model factories.
         mp.setenv(
