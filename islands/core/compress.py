@@ -121,11 +121,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: int
     """float32 tensor of `shape`; raises ValueError when the parts do not describe one."""
     check_shape(shape)
     check_parts(q, scale, shape, bits)
+    return dequantize_blocks(q, scale, bits)[: math.prod(shape)].view(shape)
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 values of whole blocks, flat: their packed integers and their scales (a tensor's,
+    or any run of its blocks: the values are the same either way, value by value)."""
     if not torch.isfinite(scale).all() or (scale < 0).any():
         raise ValueError("scale holds NaN, Inf or negative values")
     ints = unpack(q, bits) if bits < 8 else q
-    values = ints.to(torch.float32).view(-1, BLOCK) * scale.float()[:, None]
-    return values.reshape(-1)[: math.prod(shape)].view(shape)
+    return (ints.to(torch.float32).view(-1, BLOCK) * scale.float()[:, None]).reshape(-1)
 
 
 def check_shape(shape: list[int]) -> None:

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import struct
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 # safetensors' save imports numpy.ctypeslib lazily, on its first call, whichever thread makes it;
@@ -29,7 +32,18 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from islands.core.codecs import CODECS, Codec
-from islands.core.compress import decode_one, from_wire, packed_wire, to_wire, wire_plan
+from islands.core.compress import (
+    BITS,
+    BLOCK,
+    check_shape,
+    decode_one,
+    dequantize_blocks,
+    from_wire,
+    integer_bytes,
+    packed_wire,
+    to_wire,
+    wire_plan,
+)
 from islands.storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
 from islands.storage.spool import punch_holes
 
@@ -37,6 +51,18 @@ MAX_HEADER_BYTES = 16 * 2**20
 BODY_SHA256 = "body_sha256"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _FLOAT_DTYPES = {"F64", "F32", "BF16", "F16"}
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CodecError(ValueError):
@@ -159,6 +185,24 @@ def restamped(data: bytes, **metadata: str) -> bytes:
         raise CodecError("tensor bytes do not match the body_sha256 in the header")
     header["__metadata__"] = {**meta, **metadata}
     return canonical_header(json.dumps(header).encode(), body) + data[8 + n :]
+
+
+def restamped_object(obj: EncodedObject, **metadata: str) -> EncodedObject:
+    """`restamped` for an object given as pieces (a header, then its tensor bytes): a new header,
+    the same pieces after it, never assembled."""
+    head = bytes(obj.pieces[0])
+    (n,) = struct.unpack("<Q", head[:8])
+    header = json.loads(head[8 : 8 + n])
+    meta = header.pop("__metadata__", None) or {}
+    body = hashlib.sha256()
+    hash_pieces(body, obj.pieces[1:])
+    if meta.get(BODY_SHA256, body.hexdigest()) != body.hexdigest():
+        raise CodecError("tensor bytes do not match the body_sha256 in the header")
+    header["__metadata__"] = {**meta, **metadata}
+    new_head = canonical_header(json.dumps(header).encode(), body.hexdigest())
+    whole = hashlib.sha256(new_head)
+    hash_pieces(whole, obj.pieces[1:])
+    return EncodedObject((new_head, *obj.pieces[1:]), whole.hexdigest())
 
 
 def check_body_sha256(metadata: dict[str, str], body_sha256: str) -> None:
@@ -294,6 +338,7 @@ class TensorFile:
             head = fh.read(8)
             rest = fh.read(min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES)) if len(head) == 8 else b""
         table, self.metadata = read_header(head + rest, object_size=size)
+        self._table = table
         body = 8 + len(rest)
         self._spans = {
             name: (body + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
@@ -343,3 +388,162 @@ class TensorFile:
         self._readable(name)
         with safe_open(self.path, framework="pt") as fh:
             return fh.get_tensor(name).clone()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A stored tensor's shape, from the header alone."""
+        return tuple(self._table[name]["shape"])
+
+    def _read(self, fh, wire_name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of a stored tensor, flat, read from the file into memory of their own."""
+        info = self._table[wire_name]
+        size = _DTYPE_BYTES[info["dtype"]]
+        offset, _ = self._spans[wire_name]
+        buffer = bytearray((stop - start) * size)
+        fh.seek(offset + start * size)
+        if fh.readinto(buffer) != len(buffer):
+            raise CodecError(f"{self.path}: tensor {wire_name!r} is cut short")
+        if not buffer:
+            return torch.empty(0, dtype=_TORCH_DTYPES[info["dtype"]])
+        return torch.frombuffer(buffer, dtype=_TORCH_DTYPES[info["dtype"]])
+
+    def stored_chunks(self, name: str, values: int) -> Iterator[torch.Tensor]:
+        """One stored tensor as it is stored (no codec: checkpoints and states), flat, `values`
+        elements at a time (rounded down to whole blocks of BLOCK); each chunk in memory of its own."""
+        self._readable(name)
+        step = _step(values)
+        numel = math.prod(self.shape(name))
+        with open(self.path, "rb") as fh:
+            for start in range(0, numel, step):
+                yield self._read(fh, name, start, min(numel, start + step))
+
+    def chunks(self, name: str, values: int, shape_wanted: tuple[int, ...] | None = None) -> Iterator[torch.Tensor]:
+        """One tensor as `decoded` gives it, flattened, `values` elements at a time (rounded down to
+        whole blocks of BLOCK, the codecs' scale blocks): the chunks put end to end are `decoded`
+        bit for bit, and only one chunk's bytes are read and held at a time. Deflated integers are
+        inflated as a stream, never more than the chunk's; everything `decoded` refuses is refused
+        (at the chunk where it shows, a cut-short or overlong stream at the end)."""
+        self._readable(name)
+        parts = self.plan[name]
+        if len(parts) == 1:
+            for chunk in self.stored_chunks(name, values):
+                yield chunk.float() if chunk.is_floating_point() else chunk
+            return
+        try:
+            yield from self._coded_chunks(name, parts, _step(values), shape_wanted)
+        except ValueError as exc:
+            if isinstance(exc, CodecError):
+                raise
+            raise CodecError(f"tensor {name!r}: {exc}") from exc
+
+    def _coded_chunks(
+        self, name: str, parts: tuple[str, ...], step: int, shape_wanted: tuple[int, ...] | None
+    ) -> Iterator[torch.Tensor]:
+        integers, scale_name, shape_name = parts
+        bits = BITS[self.codec]
+        with open(self.path, "rb") as fh:
+            shape_info = self._table[shape_name]
+            if shape_info["dtype"] != "I64" or len(shape_info["shape"]) != 1:
+                raise ValueError(".shape must be a 1-D int64 tensor")
+            dims = self._read(fh, shape_name, 0, shape_info["shape"][0]).tolist()
+            if shape_wanted is not None and tuple(dims) != tuple(shape_wanted):
+                raise ValueError(f"wrong shape: {tuple(dims)} instead of {tuple(shape_wanted)}")
+            check_shape(dims)
+            numel = math.prod(dims)
+            n_blocks, want_bytes = -(-numel // BLOCK), integer_bytes(numel, bits)
+            int_dtype = "U8" if bits < 8 else "I8"
+            int_info, scale_info = self._table[integers], self._table[scale_name]
+            deflated = integers.endswith(".z")
+            if deflated:
+                if int_info["dtype"] != "U8" or len(int_info["shape"]) != 1:
+                    shown_dtype = _TORCH_DTYPES[int_info["dtype"]]
+                    raise ValueError(
+                        f"deflated integers must be a 1-D uint8 tensor, got {shown_dtype} {tuple(int_info['shape'])}"
+                    )
+            elif int_info["dtype"] != int_dtype or int_info["shape"] != [want_bytes]:
+                raise ValueError(
+                    f"integers must be {want_bytes} {_TORCH_DTYPES[int_dtype]} values for shape {dims}, "
+                    f"got {_TORCH_DTYPES[int_info['dtype']]} {tuple(int_info['shape'])}"
+                )
+            if scale_info["dtype"] != "BF16" or scale_info["shape"] != [n_blocks]:
+                raise ValueError(
+                    f"scale must be {n_blocks} bfloat16 values for shape {dims}, "
+                    f"got {_TORCH_DTYPES[scale_info['dtype']]} {tuple(scale_info['shape'])}"
+                )
+            per_block = BLOCK * bits // 8
+            short = (
+                f"integers must be {want_bytes} {_TORCH_DTYPES[int_dtype]} values for shape {dims}, "
+                f"got {_TORCH_DTYPES[int_dtype]} ({{}},)"
+            )
+            stream = _Inflater(self, fh, integers, short) if deflated else None
+            for start in range(0, numel, step):
+                stop = min(numel, start + step)
+                b0, b1 = start // BLOCK, -(-stop // BLOCK)
+                if stream is not None:
+                    raw = stream.take((b1 - b0) * per_block)
+                    q = torch.frombuffer(raw, dtype=_TORCH_DTYPES[int_dtype]) if raw else torch.empty(0)
+                else:
+                    q = self._read(fh, integers, b0 * per_block, b1 * per_block)
+                scale = self._read(fh, scale_name, b0, b1)
+                yield dequantize_blocks(q, scale, bits)[: stop - start]
+            if stream is not None:
+                stream.finish(want_bytes)
+
+
+def _step(values: int) -> int:
+    """A chunk's elements: `values` rounded down to whole BLOCKs, one BLOCK at least."""
+    return max(BLOCK, values - values % BLOCK)
+
+
+class _Inflater:
+    """A `.z` part inflated as a stream, its compressed bytes read a bounded piece at a time."""
+
+    READ = 1 << 20
+
+    def __init__(self, owner: TensorFile, fh, wire_name: str, short: str):
+        self.fh, self.short, self.given = fh, short, 0  # `short`: what a stream cut short is told, given its length
+        self.offset, self.left = owner._spans[wire_name]
+        self.stream = zlib.decompressobj()
+        self.pending = b""  # compressed bytes read and not yet taken in
+
+    def _more(self) -> None:
+        if not self.pending and self.left:
+            self.fh.seek(self.offset)
+            self.pending = self.fh.read(min(self.READ, self.left))
+            self.offset += len(self.pending)
+            self.left -= len(self.pending)
+
+    def _inflate(self, most: int) -> bytes:
+        self._more()
+        try:
+            got = self.stream.decompress(self.pending, most)
+        except zlib.error as exc:
+            raise ValueError(f"deflated integers are not a deflate stream ({exc})") from exc
+        self.pending = self.stream.unconsumed_tail
+        return got
+
+    def take(self, n: int) -> bytearray:
+        """The next `n` inflated bytes; fewer there are not."""
+        out = bytearray()
+        while len(out) < n and not self.stream.eof:
+            got = self._inflate(n - len(out))
+            if not got and not self.pending and not self.left:
+                break
+            out += got
+        self.given += len(out)
+        if len(out) < n:
+            raise ValueError(
+                self.short.format(self.given)
+                if self.stream.eof
+                else "deflated integers are cut short or followed by other bytes"
+            )
+        return out
+
+    def finish(self, limit: int) -> None:
+        """The stream must end where the integers do (`limit` bytes), with nothing after it."""
+        while not self.stream.eof:
+            if self._inflate(1):
+                raise ValueError(f"deflated integers inflate to more than the {limit} bytes their shape calls for")
+            if not self.pending and not self.left:
+                break
+        if not self.stream.eof or self.stream.unused_data or self.pending or self.left:
+            raise ValueError("deflated integers are cut short or followed by other bytes")
