@@ -214,8 +214,20 @@ def test_state_dict_is_flat_and_safetensors_ready():
     assert sum(k.startswith("opt.exp_avg.") for k in state) == n_params
 
 
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_state_items_are_the_state_dict_one_tensor_at_a_time(steps_before):
+    trainer = make_trainer()
+    trainer.run_phase(base_weights(), steps=steps_before)
+    items, whole = list(trainer.state_items()), trainer.state_dict()
+    assert [k for k, _ in items] == list(whole) and all(torch.equal(v, whole[k]) for k, v in items)
+    moments = {id(s[k]) for s in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")}
+    assert not any(id(v) in moments for _, v in items)  # copies: the next phase's steps leave them be
+    assert all(p.grad is None for p in trainer.model.parameters())  # a phase ends without its gradients
+
+
 @pytest.mark.parametrize("steps_before", [0, 3])
-def test_restore_through_safetensors_continues_bit_identically(steps_before):
+@pytest.mark.parametrize("own", [False, True])
+def test_restore_through_safetensors_continues_bit_identically(steps_before, own):
     base = base_weights()
     uninterrupted = make_trainer()
     first = uninterrupted.run_phase(base, steps=steps_before)
@@ -224,7 +236,7 @@ def test_restore_through_safetensors_continues_bit_identically(steps_before):
     expected = uninterrupted.run_phase(next_base, steps=3)
 
     restored = make_trainer(model_seed=5, sampler_seed=77)
-    restored.load_state_dict(load(blob))
+    restored.load_state_dict(load(blob), own=own)
     assert restored.step == steps_before
     got = restored.run_phase(next_base, steps=3)
     assert got.losses == expected.losses

@@ -33,3 +33,13 @@ def test_a_failed_upload_is_raised_at_the_next_submit_or_flush():
     with pytest.raises(OSError, match="S3 said no"):
         uploads.flush()
     uploads.flush()  # each failure is raised once
+
+
+def test_with_a_limit_a_submit_waits_for_the_oldest_job_so_one_phase_is_on_its_way_up():
+    uploads, done, gate = WriteBehind(limit=1), [], threading.Event()
+    uploads.submit(lambda: (gate.wait(5), done.append("phase-0")))
+    threading.Timer(0.2, gate.set).start()
+    uploads.submit(lambda: done.append("phase-1"))  # returns once phase 0's job has finished
+    assert done[:1] == ["phase-0"]
+    uploads.close()
+    assert done == ["phase-0", "phase-1"]

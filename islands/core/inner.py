@@ -100,11 +100,14 @@ class OnHost(Mapping):
         return len(self._tensors)
 
 
-def to_host(tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None) -> Mapping[str, torch.Tensor]:
+def to_host(
+    tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None, copy: bool = True
+) -> Mapping[str, torch.Tensor]:
     """CPU copies of `tensors` (each its own contiguous storage, as safetensors wants); from CUDA,
-    non-blocking copies on `stream` (OnHost)."""
+    non-blocking copies on `stream` (OnHost). `copy=False`: tensors already on the CPU and owned
+    by the caller alone stay as they are (no second copy of a model's size)."""
     if stream is None:
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+        return {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in tensors.items()}
     stream.wait_stream(torch.cuda.current_stream(stream.device))
     out = {}
     with torch.cuda.stream(stream):
@@ -260,6 +263,9 @@ class InnerTrainer:
             if wait > 0:
                 self.sleep(wait)
         seconds = self.clock() - started
+        # The gradients are rebuilt by the next step: not held, a model's size, while the phase's
+        # delta and state are encoded and the next phase's base is made.
+        self.optimizer.zero_grad(set_to_none=True)
         delta = self.delta(base)
         return PhaseResult(
             delta=delta,
@@ -299,7 +305,7 @@ class InnerTrainer:
     def delta(self, base: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """base − local weights in float32 on the CPU: the phase's pseudo-gradient so far."""
         diffs = {name: base[name].to(p.device, torch.float32) - self._full(p).float() for name, p in self.named}
-        return to_host(diffs, self.copy_stream)
+        return to_host(diffs, self.copy_stream, copy=False)
 
     @torch.no_grad()
     def shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
@@ -370,6 +376,28 @@ class InnerTrainer:
             total += loss.detach().float()
         return total
 
+    def state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`state_dict()`'s entries one at a time, each copied to the host only when it is asked
+        for: a writer that stores each before asking for the next holds one tensor, not the
+        optimizer's two moments. The trainer must not step until the last one is taken."""
+        params = dict(self.model.named_parameters())
+        opt_step = 0
+        for name in self._opt_names:
+            slot = self.optimizer.state.get(params[name], {})
+            if "step" in slot:
+                opt_step = int(slot["step"])
+        for name in self._opt_names:
+            slot = self.optimizer.state.get(params[name], {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment = (
+                    self._full(slot[key]) if key in slot else torch.zeros(params[name].shape, dtype=params[name].dtype)
+                )
+                yield f"opt.{key}.{name}", moment.detach().to("cpu", copy=True).contiguous()
+        yield "opt.step", torch.tensor(opt_step, dtype=torch.int64)
+        yield "trainer.step", torch.tensor(self.step, dtype=torch.int64)
+        for key, value in self.sampler.state_dict().items():
+            yield f"sampler.{key}", value.detach().to("cpu", copy=True).contiguous()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat, CPU, contiguous tensors with no shared storage: ready for safetensors."""
         params = dict(self.model.named_parameters())
@@ -388,7 +416,9 @@ class InnerTrainer:
             state[f"sampler.{key}"] = value.detach().to("cpu", copy=True).contiguous()
         return state
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], own: bool = False) -> None:
+        """Restore a saved state. `own`: the tensors were made for this call alone (read from a
+        file) and become the optimizer's moments as they are, with no second copy."""
         expected = self._state_keys()
         missing, unexpected = expected - set(state), set(state) - expected
         if missing or unexpected:
@@ -409,12 +439,16 @@ class InnerTrainer:
         opt_state = {}
         if opt_step > 0:
             # AdamW keeps its step as a float32 scalar; a fresh optimizer (step 0) has no state at all.
-            # Clones, so training never writes into the caller's tensors.
+            # Clones, so training never writes into the caller's tensors (unless they are its own).
+            def moment(key: str, name: str) -> torch.Tensor:
+                placed = self._like(state[key], params[name])
+                return placed if own else placed.clone()
+
             opt_state = {
                 index: {
                     "step": torch.tensor(float(opt_step), dtype=torch.float32),
-                    "exp_avg": self._like(state[f"opt.exp_avg.{name}"], params[name]).clone(),
-                    "exp_avg_sq": self._like(state[f"opt.exp_avg_sq.{name}"], params[name]).clone(),
+                    "exp_avg": moment(f"opt.exp_avg.{name}", name),
+                    "exp_avg_sq": moment(f"opt.exp_avg_sq.{name}", name),
                 }
                 for index, name in enumerate(self._opt_names)
             }

@@ -19,33 +19,48 @@ about to apply anyway, and the outer momentum applies that direction twice.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import math
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from islands.core.compress import compress_with_feedback, residual_state, split_residual
+from islands.core.compress import RESIDUAL_PREFIX, compress_with_feedback, split_residual
 from islands.core.config import RunConfig
 from islands.core.inner import InnerTrainer, carried
 from islands.core.merge import apply_update
 from islands.core.model import build_model, params_of
 from islands.core.pace import phase_steps
+from islands.core.validate import short
 from islands.storage import layout
 from islands.storage.cache import regional_get
-from islands.storage.codec import decode, decode_state, encode_state, encode_wire, restamped
+from islands.storage.codec import (
+    TensorFile,
+    TensorFileWriter,
+    decode,
+    decode_state,
+    encode_state_object,
+    restamped,
+    restamped_object,
+)
+from islands.storage.encoded import EncodedObject
 from islands.storage.lease import Watch
 from islands.storage.manifest import Manifest, ObjectRef
 from islands.storage.model_files import local_model
 from islands.storage.rounds import checkpoint_metadata, newest_round_from, read_manifest, stop_requested
-from islands.storage.store import ObjectStore, Stores, sha256_hex
+from islands.storage.spool import spool
+from islands.storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
 from islands.tasks.crash import crash_point
 from islands.tasks.ddp_phase import PhaseJob, learner_trainer
 from islands.tasks.follow import Held, RoundFollower
@@ -67,15 +82,64 @@ def phase_after(states: Iterable[int], deltas: Iterable[int]) -> int:
     return phase
 
 
-def holds(store: ObjectStore, key: str, data: bytes) -> bool:
+def holds(store: ObjectStore, key: str, data: bytes | EncodedObject) -> bool:
     """Whether `key` holds exactly `data` (a retried write of the same bytes); an object of
     another size is not read."""
-    if store.size(key) != len(data):
+    size, sha256 = (len(data), sha256_hex(data)) if isinstance(data, bytes) else (data.size, data.sha256)
+    if store.size(key) != size:
         return False
     digest = hashlib.sha256()
-    for chunk in store.get_chunks(key, max_bytes=len(data)):
+    for chunk in store.get_chunks(key, max_bytes=size):
         digest.update(chunk)
-    return digest.hexdigest() == sha256_hex(data)
+    return digest.hexdigest() == sha256
+
+
+def restamp(data: bytes | EncodedObject, **metadata: str) -> bytes | EncodedObject:
+    return restamped(data, **metadata) if isinstance(data, bytes) else restamped_object(data, **metadata)
+
+
+def scratch_folder(run: str, learner: str) -> Path:
+    """A local folder for this process's phase files (deltas and states on their way up, carried
+    deltas), removed when the process exits."""
+    path = Path(tempfile.mkdtemp(prefix=f"islands-learner-{run}-{learner}-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+class Spilled(Mapping):
+    """A delta kept on local disk, one file per tensor, read back one tensor at a time: a carried
+    delta costs no memory between phases, and making the next phase's base from θ_r holds one of
+    its tensors at a time."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir()
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], Path]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        path = self.folder / str(len(self._entries))
+        t = tensor.detach().cpu().contiguous()
+        with open(path, "wb") as fh:
+            fh.write(t.reshape(-1).view(torch.uint8).numpy())
+        self._entries[name] = (t.dtype, tuple(t.shape), path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, shape, path = self._entries[name]
+        return torch.from_file(str(path), shared=False, size=math.prod(shape), dtype=dtype).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def forget(delta: Mapping[str, torch.Tensor]) -> None:
+    if isinstance(delta, Spilled):
+        delta.remove()
 
 
 @dataclass(frozen=True)
@@ -116,13 +180,15 @@ class LearnerSession:
     stop_asked: bool = False  # the run asked its learners to stop (seen in storage)
     stop_checked_at: float = -math.inf  # when must_stop last asked storage (time.monotonic)
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
-    uploads: WriteBehind = field(default_factory=WriteBehind)  # phase p's writes overlap phase p+1's training
+    # Phase p's writes overlap phase p+1's training; phase p+1's wait for them (one phase on its way up).
+    uploads: WriteBehind = field(default_factory=lambda: WriteBehind(limit=1))
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
-    unmerged: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # phase → delta no round holds yet
+    unmerged: dict[int, Mapping[str, torch.Tensor]] = field(default_factory=dict)  # phase → delta no round holds yet
     rate: float | None = None  # tokens/s of this learner's last phase (islands.core.pace)
     written: int = -1  # the highest phase number this process wrote a delta under
     placed: dict[int, int] = field(default_factory=dict)  # phase → the number its delta went under, once written
     placing: threading.Lock = field(default_factory=threading.Lock, repr=False)  # `placed`: uploads write, phases read
+    scratch: Path | None = None  # local folder for phase files (scratch_folder), made at the first phase
 
     @property
     def global_store(self) -> ObjectStore:
@@ -148,7 +214,12 @@ class LearnerSession:
         return session
 
     def restore(self) -> None:
-        """Continue after the newest phase this learner finished (its state and delta are in S3)."""
+        """Continue after the newest phase this learner finished (its state and delta are in S3).
+
+        Its newest state that reads as its own: an object under its state keys that does not
+        (other bytes, other tensors, metadata naming another phase) is passed over with a
+        warning, never a failure, and never moves its count: whoever holds its keys may have
+        written it, under any number. Only a store that does not answer stops the restore."""
         store = self.regional_store
         states = {
             p: k
@@ -160,12 +231,43 @@ class LearnerSession:
             for k in store.list(layout.learner_deltas_prefix(self.run, self.learner))
             if (parsed := layout.parse_delta_key(k)) and parsed[0] == self.learner
         ]
-        if states:
-            newest = max(states)
-            data = store.get(states[newest])
-            trainer_state, self.residual = split_residual(decode_state(data))
-            self.trainer.load_state_dict(trainer_state)
-        self.next_phase = phase_after(states, deltas)
+        restored: list[int] = []
+        for number in sorted(states, reverse=True):
+            try:
+                self.load_state(states[number], number)
+            except StoreError as exc:
+                if not isinstance(exc, ObjectMissing | IntegrityError):
+                    raise
+                reason = str(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever its bytes provoke, the learner goes on
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                restored = [number]
+                break
+            log.warning(
+                "%s learner %s: %s is not a state this learner saved, passed over: %s",
+                self.run,
+                self.learner,
+                states[number],
+                short(reason),
+            )
+        self.next_phase = phase_after(restored, deltas)
+
+    def load_state(self, key: str, number: int) -> None:
+        """Load the saved state at `key`, phase `number`; raises if it is not one."""
+        # Spooled to local disk and read tensor by tensor: the state (twice the model) is
+        # never in memory as bytes beside its tensors, and the tensors read become the
+        # optimizer's own.
+        with tempfile.TemporaryDirectory(prefix=f"islands-restore-{self.learner}-") as tmp:
+            spooled = spool(self.regional_store, key, Path(tmp) / "state")
+            saved = TensorFile(spooled.path, spooled.body_sha256)
+            if saved.metadata.get("phase") != str(number):
+                raise ValueError(f"its metadata names another phase than {number}")
+            tensors = {name: saved.stored(name) for name in saved.names}
+        trainer_state, residual = split_residual(tensors)
+        del tensors
+        self.trainer.load_state_dict(trainer_state, own=True)
+        self.residual = residual
 
     def collect_old_states(self, newest: int) -> None:
         """Garbage-collect saved states older than the one before `newest` (only those are read)."""
@@ -208,8 +310,8 @@ class LearnerSession:
         """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
         warm-started run's does not): a region downloads no model it can make itself."""
         params = params_of(build_model(local_model(self.config.model), self.config.seed))
-        encoded = encode_state(params, checkpoint_metadata(self.run, 0))
-        return params if sha256_hex(encoded) == manifest.model.sha256 else None
+        encoded = encode_state_object(params, checkpoint_metadata(self.run, 0))  # hashed where it lies
+        return params if encoded.sha256 == manifest.model.sha256 else None
 
     def rebuilt(self, manifests: list[Manifest], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """θ_h + the updates of rounds h+1…r in turn, if that encodes to the very bytes round r's
@@ -217,8 +319,8 @@ class LearnerSession:
         params = held
         for manifest in manifests:
             params = apply_update(params, decode(self.fetch(manifest.update))[0])
-        encoded = encode_state(params, checkpoint_metadata(self.run, manifests[-1].round))
-        return params if sha256_hex(encoded) == manifests[-1].model.sha256 else None
+        encoded = encode_state_object(params, checkpoint_metadata(self.run, manifests[-1].round))
+        return params if encoded.sha256 == manifests[-1].model.sha256 else None
 
     def fetch(self, ref: ObjectRef) -> bytes:
         """A round's object through the region's cache: each crosses regions once per region."""
@@ -243,6 +345,9 @@ class LearnerSession:
         plus its own progress that round r has not merged yet (so its weights keep it). A phase
         counts as merged by the number its delta was written under; one not written yet is not."""
         with self.placing:
+            for q, d in self.unmerged.items():
+                if self.placed.get(q) in held[1].consumed:
+                    forget(d)
             self.unmerged = {q: d for q, d in self.unmerged.items() if self.placed.get(q) not in held[1].consumed}
             self.placed = {q: n for q, n in self.placed.items() if q in self.unmerged}
         return carried(held[1].params, list(self.unmerged.values()))
@@ -252,17 +357,21 @@ class LearnerSession:
         uploads have written under (they skip numbers they find taken)."""
         return max(phase, self.written + 1)
 
-    def place_delta(self, phase: int, delta: bytes, round_: int, logger) -> int:
+    def place_delta(self, phase: int, delta: bytes | EncodedObject, round_: int, logger) -> int:
         """Write `phase`'s delta under the first number from `phase_from(phase)` on that is free,
-        and return that number. A number that holds an object this learner did not write (its
-        keys in other hands, a careless operator) is skipped with a warning, never a failure: the
-        delta goes under the next number, its metadata naming that one (`restamped`)."""
+        and return that number. A number whose delta key holds an object this learner did not
+        write (its keys in other hands, a careless operator), or whose state key holds anything
+        (the learner writes its state there after its delta), is skipped with a warning, never a
+        failure: the delta goes under the next number, its metadata naming that one (`restamped`)."""
         store = self.regional_store
         number = self.phase_from(phase)
         while True:
             key = layout.delta_key(self.run, self.learner, number)
-            data = delta if number == phase else restamped(delta, phase=str(number))
-            if store.put_if_absent(key, data) or holds(store, key, data):
+            data = delta if number == phase else restamp(delta, phase=str(number))
+            state_key = layout.learner_state_key(self.run, self.learner, number)
+            if store.exists(state_key):
+                key = state_key
+            elif store.put_if_absent(key, data) or holds(store, key, data):
                 break
             logger.warning(
                 "%s round %d: learner %s (%s): %s holds an object this learner did not write; "
@@ -370,36 +479,54 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         "finished_at": f"{time.time():.3f}",
         **session.io_totals(),
     }
-    # Error feedback: what the codec drops now rides along with the next delta.
-    wire, _, residual = compress_with_feedback(result.delta, session.residual, cfg.codec)
-    delta = encode_wire(wire, meta, cfg.codec)
-    # Encoded now, before the next phase moves the optimizer on; uploaded while it trains.
-    state = encode_state(
-        {**session.trainer.state_dict(), **residual_state(residual)},
-        {"phase": str(phase), "base_round": str(base_round)},
-    )
+    if session.scratch is None:
+        session.scratch = scratch_folder(session.run, session.learner)
+    folder = Path(tempfile.mkdtemp(prefix=f"phase-{phase:06d}-", dir=session.scratch))
+    try:
+        delta, residual, kept = encode_delta(session, result, meta, folder)
+        # Encoded now, before the next phase moves the optimizer on; uploaded while it trains.
+        state = encode_learner_state(session, residual, {"phase": str(phase), "base_round": str(base_round)}, folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
     def upload() -> None:
-        if session.superseded():
-            # A newer driver's learner owns this learner's phases now; it re-does this data.
-            log.warning("%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt)
-            return
-        crash_point("phase.before_delta", phase, session.crash)
-        number = session.place_delta(phase, delta, base_round, log)
-        crash_point("phase.after_delta", phase, session.crash)
-        # The delta first: a crash before the state is saved re-trains from the older state, it
-        # never loses a finished delta. The state goes under the delta's number.
-        saved = state if number == phase else restamped(state, phase=str(number))
-        store.put_or_verify(layout.learner_state_key(session.run, session.learner, number), saved)
-        crash_point("phase.after_state", phase, session.crash)
-        session.collect_old_states(number)
+        try:
+            if session.superseded():
+                # A newer driver's learner owns this learner's phases now; it re-does this data.
+                log.warning(
+                    "%s learner %s: phase %d not written: %s", session.run, session.learner, phase, session.halt
+                )
+                return
+            crash_point("phase.before_delta", phase, session.crash)
+            number = session.place_delta(phase, delta, base_round, log)
+            crash_point("phase.after_delta", phase, session.crash)
+            # The delta first: a crash before the state is saved re-trains from the older state, it
+            # never loses a finished delta. The state goes under the delta's number.
+            saved = state if number == phase else restamped_object(state, phase=str(number))
+            state_key = layout.learner_state_key(session.run, session.learner, number)
+            if not (store.put_if_absent(state_key, saved) or holds(store, state_key, saved)):
+                # Taken since place_delta looked: the older state stays the newest, and a
+                # restart retrains this phase's data from it, past this number.
+                log.warning(
+                    "%s learner %s: %s holds an object this learner did not write; phase %d's state not saved",
+                    session.run,
+                    session.learner,
+                    state_key,
+                    number,
+                )
+                return
+            crash_point("phase.after_state", phase, session.crash)
+            session.collect_old_states(number)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     session.uploads.submit(upload)
-    if cfg.carry:
-        session.unmerged[phase] = result.delta
-        if len(session.unmerged) > CARRY_LIMIT:  # no round for many phases: bound the memory, not the run
+    if kept is not None:
+        session.unmerged[phase] = kept
+        if len(session.unmerged) > CARRY_LIMIT:  # no round for many phases: bound the disk, not the run
             oldest = min(session.unmerged)
-            del session.unmerged[oldest]
+            forget(session.unmerged.pop(oldest))
             log.warning(
                 "%s learner %s: %d phases without a round that merged them; phase %d no longer carried",
                 session.run,
@@ -423,7 +550,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         result.loss,
         result.tokens,
         result.seconds,
-        len(delta) / 1e6,
+        delta.size / 1e6,
     )
     return {
         "phase": phase,
@@ -432,3 +559,45 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         "loss": result.loss,
         "seconds": result.seconds,
     }
+
+
+def encode_delta(
+    session: LearnerSession, result, meta: dict, folder: Path
+) -> tuple[EncodedObject, dict[str, torch.Tensor], Spilled | None]:
+    """The phase's delta as an object on local disk, tensor by tensor: (the object, the new
+    error-feedback residual, the delta kept for `carry` on disk, or None). Error feedback: what
+    the codec drops now rides along with the next delta. Each tensor of the delta is let go once
+    it is written, so the delta, its wire form and the carried copy are never whole in memory
+    beside each other."""
+    codec = session.config.codec
+    pending = dict(result.delta)
+    result.delta = {}
+    residual: dict[str, torch.Tensor] = {}
+    kept = Spilled(session.scratch / f"carried-{folder.name}") if session.config.carry else None
+    with TensorFileWriter(folder / "delta") as writer:
+        for name in list(pending):
+            tensor = pending.pop(name)
+            old = {name: session.residual[name]} if name in session.residual else {}
+            wire, _, new = compress_with_feedback({name: tensor}, old, codec)
+            for part, value in wire.items():
+                writer.add(part, value)
+            residual.update(new)
+            if kept is not None:
+                kept.add(name, tensor)
+        delta = writer.finish({**{k: str(v) for k, v in meta.items()}, "codec": codec})
+    return delta, residual, kept
+
+
+def encode_learner_state(
+    session: LearnerSession, residual: dict[str, torch.Tensor], metadata: dict[str, str], folder: Path
+) -> EncodedObject:
+    """The learner's state (`state_dict()` and the residual) as an object on local disk, each
+    tensor copied off the trainer and written before the next is asked for."""
+    trainer = session.trainer
+    items = trainer.state_items() if hasattr(trainer, "state_items") else iter(trainer.state_dict().items())
+    with TensorFileWriter(folder / "state") as writer:
+        for name, tensor in items:
+            writer.add(name, tensor)
+        for name, tensor in residual.items():
+            writer.add(RESIDUAL_PREFIX + name, tensor.contiguous())
+        return writer.finish(metadata)

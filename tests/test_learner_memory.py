@@ -1,0 +1,37 @@
+"""A learner's memory is a small constant multiple of its model: a 43M-parameter Llama-config
+learner on a `file://` store, training three phases with their deltas and states uploaded, then
+a second process restoring the saved state and training three more, each peaks within 8× the
+model's float32 bytes plus a fixed allowance over what it held after its imports
+(benchmarks.learner_memory measures it, in processes of their own)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.learner_memory import PHASES, measure
+from islands.storage.codec import encode_state, encode_state_object, restamped, restamped_object
+
+HIDDEN, LAYERS = 768, 6  # 42.9M parameters, 164 MiB in float32
+ALLOWANCE = 256 << 20  # the interpreter's allocator slack, a step's activations, one tensor in flight
+
+
+def test_a_learners_peak_memory_is_at_most_8_times_its_model_plus_a_fixed_allowance(tmp_path):
+    out = measure(HIDDEN, LAYERS, tmp_path, restarts=1)
+    for name, run in (("first", out["first"]), ("restarted", out)):
+        print(
+            f"\n{name} learner: {run['params'] / 1e6:.1f}M params ({run['model_bytes'] / 2**20:.0f} MiB), "
+            f"peak {run['peak_rss'] / 2**20:.0f} MiB, {run['growth'] / 2**20:.0f} MiB over "
+            f"{run['base_rss'] / 2**20:.0f} MiB at start: {run['ratio']:.2f}× the model"
+        )
+        assert run["growth"] <= 8 * run["model_bytes"] + ALLOWANCE, run
+    assert (out["first"]["phases"], out["phases"]) == (PHASES, 2 * PHASES)  # the restart went on from the state
+
+
+def test_a_restamped_object_is_restamped_bytes_never_assembled(tmp_path):
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
+    obj = encode_state_object(tensors, {"phase": "3", "run": "r"})
+    again = restamped_object(obj, phase="4")
+    expected = restamped(encode_state(tensors, {"phase": "3", "run": "r"}), phase="4")
+    assert again.read_bytes() == expected == encode_state(tensors, {"phase": "4", "run": "r"})
+    assert again.sha256 == __import__("hashlib").sha256(expected).hexdigest()
+    assert again.pieces[1:] == obj.pieces[1:]
