@@ -12,6 +12,7 @@ given up, and once no learner is left the run ends.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,21 @@ class Learner:
 def one_line(message: str | None) -> str:
     lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
     return (lines[-1] if lines else "its flow run ended without a message")[:300]
+
+
+# Prefect's worker: "Flow run infrastructure exited with non-zero status code -9."; its runner and
+# other workers name an exit code or the signal.
+KILLED = re.compile(r"(exit|status) code:? (-9|137)\b|signal:? 9\b|SIGKILL", re.IGNORECASE)
+OOM_HINT = "killed by the kernel, likely out of memory: lower inner.micro_batch_size, or run fewer learners per machine"
+
+
+def death(state_name: str, message: str | None) -> str:
+    """Why a learner's flow run ended, in one line; a process the kernel killed (SIGKILL: exit
+    code -9 or 137, the OOM killer's way) says what to change."""
+    why = f"{state_name}: {one_line(message)}"
+    if state_name == "Crashed" and KILLED.search(message or ""):
+        why += f"; {OOM_HINT}"
+    return why
 
 
 class LearnerWatch:
@@ -125,7 +141,7 @@ class LearnerWatch:
             if state is None or not state.is_final() or state.is_completed():
                 continue
             name = watched[run.id]
-            why = f"{state.name}: {one_line(state.message)}"
+            why = death(state.name, state.message)
             with self._lock:
                 learner = self.learners[name]
                 if learner.flow_run != run.id or learner.down is not None:
