@@ -35,3 +35,25 @@ def test_a_restamped_object_is_restamped_bytes_never_assembled(tmp_path):
     assert again.read_bytes() == expected == encode_state(tensors, {"phase": "4", "run": "r"})
     assert again.sha256 == __import__("hashlib").sha256(expected).hexdigest()
     assert again.pieces[1:] == obj.pieces[1:]
+
+
+def test_a_checkpoint_is_spooled_through_the_regions_cache_and_a_damaged_copy_replaced(tmp_path):
+    from islands.storage import layout
+    from islands.storage.cache import regional_spool
+    from islands.storage.manifest import ObjectRef
+    from islands.storage.store import ObjectStore, sha256_hex
+
+    global_, region = ObjectStore(f"file://{tmp_path}/g"), ObjectStore(f"file://{tmp_path}/r")
+    data = encode_state({"w": torch.arange(1000.0)}, {"round": "1"})
+    ref = ObjectRef(key=layout.model_key("run", 1, sha256_hex(data)), sha256=sha256_hex(data), bytes=len(data))
+    global_.put_if_absent(ref.key, data)
+    first = regional_spool(region, global_, "run", ref, "north-0", tmp_path / "a")
+    assert first.path.read_bytes() == data and region.get(layout.cache_key("run", ref.key)) == data
+    read = global_.io.bytes_read
+    again = regional_spool(region, global_, "run", ref, "north-1", tmp_path / "b")
+    assert again.path.read_bytes() == data and global_.io.bytes_read == read  # the region's copy
+
+    copy = next(p for p in (tmp_path / "r").rglob("*") if p.is_file() and p.read_bytes() == data)
+    copy.write_bytes(data[:-1] + b"\0")
+    third = regional_spool(region, global_, "run", ref, "north-1", tmp_path / "c")
+    assert third.path.read_bytes() == data and region.get(layout.cache_key("run", ref.key)) == data

@@ -44,12 +44,11 @@ from islands.core.model import build_model, params_of
 from islands.core.pace import phase_steps
 from islands.core.validate import short
 from islands.storage import layout
-from islands.storage.cache import regional_get
+from islands.storage.cache import regional_get, regional_spool
 from islands.storage.codec import (
     TensorFile,
     TensorFileWriter,
     decode,
-    decode_state,
     encode_state_object,
     restamped,
     restamped_object,
@@ -303,7 +302,7 @@ class LearnerSession:
                 else Way("checkpoint", fallback="the updates did not rebuild the published model")
             )
         if params is None:
-            params = decode_state(self.fetch(manifests[-1].model))
+            params = self.fetch_state(manifests[-1].model)
         return HeldRound(params, frozenset(consumed), manifests[-1].tokens_applied, rates), way
 
     def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
@@ -325,6 +324,17 @@ class LearnerSession:
     def fetch(self, ref: ObjectRef) -> bytes:
         """A round's object through the region's cache: each crosses regions once per region."""
         return regional_get(self.regional_store, self.global_store, self.run, ref, owner=self.learner)
+
+    def fetch_state(self, ref: ObjectRef) -> dict[str, torch.Tensor]:
+        """A checkpoint the way `fetch` takes it, spooled to local disk and read tensor by tensor:
+        its bytes are never in memory beside its tensors (the follower fetches while the phase
+        trains and the round before is still held)."""
+        with tempfile.TemporaryDirectory(prefix=f"islands-round-{self.learner}-") as tmp:
+            got = regional_spool(
+                self.regional_store, self.global_store, self.run, ref, self.learner, Path(tmp) / "object"
+            )
+            saved = TensorFile(got.path, got.body_sha256)
+            return {name: saved.stored(name) for name in saved.names}
 
     def follow(self, poll_s: float) -> RoundFollower:
         """Start following the published rounds (raises when the run has none)."""
