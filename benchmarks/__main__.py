@@ -12,7 +12,9 @@ objects, `--only codec_live`),
 alone, `--only eval_cadence`) and `s3_endpoint` (the embedded S3 endpoint's CPU per request,
 moto's own server against its S3 app served directly, `--only s3_endpoint`), `hf` (a Llama-config
 model at the quality and utilization bars, `--only hf`) and `gpu` (a GPU learner's tokens/s and
-MFU, and the merge of 1B-parameter deltas, `--only gpu`; benchmarks.gpu).
+MFU, and the merge of 1B-parameter deltas, `--only gpu`; benchmarks.gpu). The suite's
+`learner_memory` is a learner's peak memory over its model's bytes at 10M, 100M and 180M
+parameters (--quick: 10M), each in a process of its own.
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
@@ -40,6 +42,7 @@ from benchmarks import (
     faults,
     gpu,
     hf,
+    learner_memory,
     learner_start,
     pipeline,
     prefect_start,
@@ -68,10 +71,12 @@ BENCHMARKS = {
     "faults": faults.run,
     "utilization": utilization.run,
     "dataplane": dataplane.run,
+    "learner_memory": learner_memory.run,
     "hf": hf.run,
     "gpu": gpu.run,
 }
-SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane")
+SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane", "learner_memory")
+NO_STACK = {"learner_memory"}  # parts that run no stack of their own: they need no new one
 ORDER = [*SUITE, *(name for name in BENCHMARKS if name not in SUITE)]  # of the results file's sections
 PART_MINUTES, QUICK_MINUTES = 25, 3
 
@@ -80,9 +85,9 @@ def keeps_stack(previous: str | None, name: str, quick: bool) -> bool:
     """Whether part `name` runs on the stack part `previous` used, with its runs. At --quick's toy
     sizes every part does: the stack stays small, a new one costs seconds of the 3 minutes, and
     wire's fp32 run is quality's. At full size, only a part that reads a run of the part before:
-    utilization reads the faults part's run (a). Every other part starts on a new stack
-    (`pipeline.new_stack`)."""
-    return quick or (previous, name) == ("faults", "utilization")
+    utilization reads the faults part's run (a), and a part that runs no stack (NO_STACK) leaves
+    it be. Every other part starts on a new stack (`pipeline.new_stack`)."""
+    return quick or (previous, name) == ("faults", "utilization") or name in NO_STACK
 
 
 def part_time(res: Result, quick: bool) -> Row | None:

@@ -136,6 +136,7 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
         "utilization",
         "new stack",
         "dataplane",
+        "learner_memory",
     ]
     calls.clear()
     assert suite.main(["--quick", "--out", str(tmp_path), "--results", str(tmp_path)]) == 0

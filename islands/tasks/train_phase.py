@@ -66,7 +66,7 @@ from islands.tasks.follow import Held, RoundFollower
 from islands.tasks.write_behind import WriteBehind
 
 STOP_CHECK_S = 2.0
-CARRY_LIMIT = 8  # unmerged deltas a learner carries at most (each is a model's size in memory)
+CARRY_LIMIT = 8  # unmerged deltas a learner carries at most (each a model's size on local disk)
 log = logging.getLogger(__name__)
 
 
