@@ -70,6 +70,14 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--link-gbps", type=float, default=2.0, help="link for the checkpoint transfer time")
     pl.add_argument("--check", action="store_true", help="compare with published figures instead")
 
+    sim = sub.add_parser(
+        "simulate", help="simulate a run at any scale: goodput and bandwidth against sync DiLoCo and data-parallel"
+    )
+    sim.add_argument("--config", type=Path, required=True, help="the simulation's TOML (benchmarks/simulate/)")
+    sim.add_argument("--seed", type=int, help="seed of the failures drawn (default: the config's)")
+    sim.add_argument("--hours", type=float, help="wall time simulated (default: the config's run.hours)")
+    sim.add_argument("--json", action="store_true", help="end with the figures as one JSON object")
+
     srv = sub.add_parser("serve", help="register the deployments so runs can be started or scheduled from the UI")
     srv.add_argument("--config", type=Path, help="TOML file whose fields become the run form's defaults")
     when = srv.add_mutually_exclusive_group()

@@ -376,6 +376,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Simulate the run the config describes: decoupled, synchronous DiLoCo and data-parallel
+    under the same drawn failures (islands.core.simulate), with a progress bar."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from islands.core.simulate import load_sim_config, report, simulate
+
+    given = {"seed": args.seed, "run.hours": args.hours}
+    try:
+        config = load_sim_config(args.config, {k: v for k, v in given.items() if v is not None})
+    except ConfigError as exc:
+        return fail(str(exc))
+    columns = (TextColumn("[bold]simulate"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("simulate", total=1.0)
+        result = simulate(config, on_progress=lambda done: bar.update(task, completed=done))
+    print("\n".join(report(result, config)))
+    if args.json:
+        print(json.dumps(result.summary()))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from islands.core.plan import Workload, check_lines, report
 
