@@ -272,6 +272,90 @@ def test_a_planted_object_at_a_learners_next_key_makes_it_write_under_the_next_f
     assert restored.next_phase == 3
 
 
+def trained(session: LearnerSession, phases: int) -> None:
+    """`phases` phases of `session`, each one's uploads done before the next begins."""
+    session.follow(poll_s=0.05)
+    try:
+        for _ in range(phases):
+            train_phase.fn(session, session.next_phase)
+            session.uploads.flush()
+    finally:
+        session.rounds.close()
+        session.uploads.close()
+
+
+def state_key(phase: int, learner: str = "north-0") -> str:
+    return layout.learner_state_key(RUN, learner, phase)
+
+
+def test_a_planted_object_at_a_learners_next_state_key_makes_it_write_under_the_next_free_phase(
+    tmp_path, caplog, monkeypatch
+):
+    """The learner writes its state under its delta's number, after the delta: a number whose
+    state key is taken is skipped like one whose delta key is, so both go under the next."""
+    monkeypatch.setattr(train_phase_module, "get_run_logger", lambda: logging.getLogger("test.learner"))
+    config, stores = new_run(tmp_path)
+    north = stores.region("north")
+    session = LearnerSession.open(config, RUN, "north-0", stores)
+    put(north, state_key(0), data=b"x")
+    with caplog.at_level(logging.WARNING):
+        trained(session, 1)
+    assert north.get(state_key(0)) == b"x"
+    assert sorted(north.list(layout.learner_deltas_prefix(RUN, "north-0"))) == [key(1)]
+    assert read_header(north.get(state_key(1)))[1]["phase"] == "1"
+    assert any(state_key(0) in r.getMessage() and "under phase 1 instead" in r.getMessage() for r in caplog.records)
+
+
+def test_a_state_key_taken_while_the_delta_goes_up_costs_that_state_not_the_learner(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(train_phase_module, "get_run_logger", lambda: logging.getLogger("test.learner"))
+    config, stores = new_run(tmp_path)
+    north = stores.region("north")
+    session = LearnerSession.open(config, RUN, "north-0", stores)
+    place = session.place_delta
+
+    def place_then_plant(*args, **kwargs) -> int:
+        number = place(*args, **kwargs)
+        north.put_if_absent(state_key(number), b"x")  # between the delta and its state
+        return number
+
+    monkeypatch.setattr(session, "place_delta", place_then_plant)
+    with caplog.at_level(logging.WARNING):
+        trained(session, 2)  # the first phase's upload fails no later one
+    assert sorted(north.list(layout.learner_deltas_prefix(RUN, "north-0"))) == [key(0), key(1)]
+    assert [north.get(state_key(p)) for p in (0, 1)] == [b"x", b"x"]
+    assert sum("state not saved" in r.getMessage() for r in caplog.records) == 2
+    restored = LearnerSession.open(config, RUN, "north-0", stores)  # no state of its own: from the start
+    assert restored.next_phase == 2 and restored.trainer.step == 0
+
+
+def test_a_restored_learner_passes_over_whatever_is_under_its_state_keys_that_is_not_its_state(tmp_path, caplog):
+    """Junk far ahead, a state of its own copied under another number, and bytes that are not a
+    state at all: the learner restores its newest own state, goes on after its number, and says
+    what it passed over."""
+    config, stores = new_run(tmp_path)
+    north = stores.region("north")
+    session = LearnerSession.open(config, RUN, "north-0", stores)
+    with disable_run_logger():
+        trained(session, 2)
+    steps = session.trainer.step
+    own = north.get(state_key(1))
+    junk = {
+        state_key(999_999): b"x",
+        state_key(1_000_000): own,  # its metadata names phase 1
+        state_key(5): encode({"w": torch.zeros(2)}, {"phase": "5"}),  # not the trainer's tensors
+        state_key(4): own[: len(own) // 2],
+    }
+    for k, data in junk.items():
+        put(north, k, data=data)
+    with caplog.at_level(logging.WARNING):
+        restored = LearnerSession.open(config, RUN, "north-0", stores)
+    assert restored.next_phase == 2
+    assert restored.trainer.step == steps > 0
+    passed = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
+    assert sorted(k for k in junk if any(k in m for m in passed)) == sorted(junk), passed
+    assert all("\n" not in m and len(m) < 400 for m in passed)
+
+
 def test_a_learner_carries_a_moved_phase_until_its_own_number_is_merged(tmp_path):
     """The number a round consumed is the one the delta went under, not the one it was trained as:
     a quarantined object at the phase's first number does not drop the learner's own progress."""
