@@ -127,3 +127,15 @@ def test_the_command_prints_the_schemes_side_by_side_and_ends_with_json(tmp_path
         assert {"goodput", "utilization", "mean_gbps", "peak_gbps"} <= set(figures[scheme])
         assert all(math.isfinite(figures[scheme][k]) for k in ("goodput", "utilization", "mean_gbps"))
     assert main(["simulate", "--config", str(tmp_path / "nope.toml")]) != 0
+
+
+@pytest.mark.parametrize("name", ["decoupled_diloco", "decoupled_diloco_128", "three_regions"])
+def test_the_shipped_configs_load_and_run(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "simulate" / f"{name}.toml"
+    cfg = load_sim_config(path, {"run.hours": 0.5})
+    if name.startswith("decoupled_diloco"):
+        assert cfg.chips >= 10**6 and len(cfg.regions) == 8
+    result = simulate(cfg)
+    assert 0 < result.decoupled.goodput <= 1 and result.decoupled.rounds > 0
