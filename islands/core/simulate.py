@@ -400,6 +400,24 @@ class _Arrival:
     rebased_at: float  # its last step's start: the newest round visible then is its base
     tokens: int
     seconds: float
+    finished_at: float
+
+
+HISTORY = 5  # merged deltas a learner's history counts, as the synchronizer's (islands.tasks.round_state)
+
+
+def history_of(recent: list[tuple[int, float, float, float]]) -> LearnerHistory:
+    """A learner's history from its newest merged deltas, (phase, finished_at, seconds, seen_at)
+    each, as the synchronizer builds it at a round's start: the recent phase times, the time from
+    one delta to the next (median per phase, from finish times) and its lag, finish to seen."""
+    lag = min(seen - done for _, done, _, seen in recent)
+    gaps = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(recent, recent[1:]) if b[0] > a[0]]
+    return LearnerHistory(
+        phase_seconds=[x[2] for x in recent],
+        last_arrival=recent[-1][1] + lag,
+        cycle_s=statistics.median(gaps) if gaps else None,
+        lag_s=lag,
+    )
 
 
 class Decoupled:
@@ -425,6 +443,7 @@ class Decoupled:
         self.visible: dict[str, list[float]] = {r.name: [0.0] for r in cfg.regions}
         self.records: list[RoundRecord] = []
         self.history = {n: LearnerHistory([], None) for n in self.names}
+        self.recent: dict[str, list[tuple[int, float, float, float]]] = {n: [] for n in self.names}
         self.arrived: dict[str, float] = {}
         self.pending: list[_Arrival] = []  # sorted by arrival
         self.collecting_since = 0.0
@@ -496,7 +515,7 @@ class Decoupled:
             if faults.stall_fraction and self.rng.random() < faults.stall_fraction:
                 ready += faults.stall_s
             arrive = max(arrive, link.send("up", ready, self.delta_bits / pieces))
-        a = _Arrival(arrive, L.name, L.region, L.phase, end - step_s, steps * run.tokens_per_step, end - t)
+        a = _Arrival(arrive, L.name, L.region, L.phase, end - step_s, steps * run.tokens_per_step, end - t, end)
         bisect.insort(self.pending, a, key=lambda x: x.at)
         L.phase += 1
         return end
@@ -511,7 +530,7 @@ class Decoupled:
                     break
                 if a.learner not in self.arrived:
                     self.arrived[a.learner] = a.at
-                    self.history[a.learner] = self.history[a.learner].seen(a.at, a.seconds)
+                    self.history[a.learner] = self.history[a.learner].seen(a.finished_at, a.seconds)
             d = decide(self.policy, self.collecting_since, now, self.arrived, names, self.history)
             if d.close and d.reason == "timeout" and not self.arrived:
                 self.closings["timeout-empty"] = self.closings.get("timeout-empty", 0) + 1
@@ -555,6 +574,13 @@ class Decoupled:
             )
         )
         self.closings[reason] = self.closings.get(reason, 0) + 1
+        by = {(a.learner, a.phase): a for a in take}
+        for w in weighted:
+            a = by[(w.candidate.learner, w.candidate.phase)]
+            self.recent[a.learner] = [*self.recent[a.learner], (a.phase, a.finished_at, a.seconds, a.at)][-HISTORY:]
+        for name in {*self.arrived, *(w.candidate.learner for w in weighted)}:
+            recent = self.recent[name]
+            self.history[name] = history_of(recent) if recent else LearnerHistory([], None)
         self.arrived.clear()
         published = now + self.cfg.run.publish_s
         for g, members in self.by_region.items():
