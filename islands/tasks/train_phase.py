@@ -126,6 +126,9 @@ class Spilled(Mapping):
         dtype, shape, path = self._entries[name]
         return torch.from_file(str(path), shared=False, size=math.prod(shape), dtype=dtype).reshape(shape)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 
@@ -178,7 +181,9 @@ class LearnerSession:
     halt: str | None = None  # why the learner stops before the run ends
     stop_asked: bool = False  # the run asked its learners to stop (seen in storage)
     stop_checked_at: float = -math.inf  # when must_stop last asked storage (time.monotonic)
-    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # codec error feedback, saved with the state
+    residual: Mapping[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # codec error feedback (Spilled), saved with the state
     # Phase p's writes overlap phase p+1's training; phase p+1's wait for them (one phase on its way up).
     uploads: WriteBehind = field(default_factory=lambda: WriteBehind(limit=1))
     rounds: RoundFollower | None = None  # the published rounds, fetched in the background (follow())
@@ -544,6 +549,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
                 CARRY_LIMIT + 1,
                 oldest,
             )
+    forget(session.residual)
     session.residual = residual
     session.next_phase = phase + 1
     log.info(
@@ -573,16 +579,17 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
 
 def encode_delta(
     session: LearnerSession, result, meta: dict, folder: Path
-) -> tuple[EncodedObject, dict[str, torch.Tensor], Spilled | None]:
+) -> tuple[EncodedObject, Spilled, Spilled | None]:
     """The phase's delta as an object on local disk, tensor by tensor: (the object, the new
-    error-feedback residual, the delta kept for `carry` on disk, or None). Error feedback: what
+    error-feedback residual on disk, the delta kept for `carry` on disk, or None). Error feedback: what
     the codec drops now rides along with the next delta. Each tensor of the delta is let go once
     it is written, so the delta, its wire form and the carried copy are never whole in memory
     beside each other."""
     codec = session.config.codec
     pending = dict(result.delta)
     result.delta = {}
-    residual: dict[str, torch.Tensor] = {}
+    # The residual is a model's size with an integer codec: it waits for the next phase on disk.
+    residual = Spilled(session.scratch / f"residual-{folder.name}")
     kept = Spilled(session.scratch / f"carried-{folder.name}") if session.config.carry else None
     with TensorFileWriter(folder / "delta") as writer:
         for name in list(pending):
@@ -591,7 +598,8 @@ def encode_delta(
             wire, _, new = compress_with_feedback({name: tensor}, old, codec)
             for part, value in wire.items():
                 writer.add(part, value)
-            residual.update(new)
+            for part, value in new.items():
+                residual.add(part, value)
             if kept is not None:
                 kept.add(name, tensor)
         delta = writer.finish({**{k: str(v) for k, v in meta.items()}, "codec": codec})
@@ -599,7 +607,7 @@ def encode_delta(
 
 
 def encode_learner_state(
-    session: LearnerSession, residual: dict[str, torch.Tensor], metadata: dict[str, str], folder: Path
+    session: LearnerSession, residual: Mapping[str, torch.Tensor], metadata: dict[str, str], folder: Path
 ) -> EncodedObject:
     """The learner's state (`state_dict()` and the residual) as an object on local disk, each
     tensor copied off the trainer and written before the next is asked for."""
