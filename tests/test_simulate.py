@@ -139,3 +139,27 @@ def test_the_shipped_configs_load_and_run(name):
         assert cfg.chips >= 10**6 and len(cfg.regions) == 8
     result = simulate(cfg)
     assert 0 < result.decoupled.goodput <= 1 and result.decoupled.rounds > 0
+
+
+def test_a_recorded_runs_timings_predict_its_rounds_closings_and_bytes():
+    """Two learners whose 10 s phases land a second after they finish, rounds published half a
+    second after the last delta: calibrated on those timings, the simulation closes the same
+    rounds, all-in, with the same bytes."""
+    from islands.core.config import MergeSettings, QuorumSettings
+    from islands.core.simulate import RecordedDelta, RecordedRound, calibrated, compare
+
+    rounds = []
+    for k in range(10):
+        done = 1000.0 + 10 * (k + 1)
+        deltas = tuple(
+            RecordedDelta(name, region, k, 1000, 5000, done, 10.0, done + 1.0)
+            for name, region in (("us-east-0", "us-east"), ("eu-west-0", "eu-west"))
+        )
+        rounds.append(RecordedRound(k + 1, done + 1.5, "all-in", deltas))
+    learners = {"us-east-0": "us-east", "eu-west-0": "eu-west"}
+    cfg = calibrated(rounds, learners, 10, QuorumSettings(), MergeSettings())
+    assert [r.step_s for r in cfg.regions] == [1.0, 1.0] and cfg.run.tokens_per_step == 100
+    assert cfg.regions[0].latency_s == 1.0 and cfg.run.publish_s == 0.5 and cfg.run.delta_bytes == 5000
+    found = compare(rounds, cfg, simulate(cfg))
+    assert found["predicted"]["rounds"] == 10 and found["predicted"]["closings"] == {"all-in": 10}
+    assert found["error"]["rounds"] == 0 and found["error"]["bytes"] < 1e-9

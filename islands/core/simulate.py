@@ -94,6 +94,9 @@ class RunSim(_Section):
     codec: Codec = Field("int4", description="The deltas' codec.")
     update_codec: Codec = Field("fp32", description="The rounds' codec, as learners download them.")
     publish_s: float = Field(5.0, ge=0, le=DAY_S, description="A round's merge and publication, seconds.")
+    delta_bytes: float | None = Field(
+        None, gt=0, le=1e15, description="Bytes of one delta as measured (empty: params × the codec's bits)."
+    )
     hours: float = Field(24.0, gt=0, le=YEAR_H, description="Wall time simulated.")
 
 
@@ -437,7 +440,9 @@ class Decoupled:
         self.by_region = {r.name: [L for L in self.learners if L.region == r.name] for r in cfg.regions}
         self.policy = cfg.quorum
         self.rates = [L.rate for L in self.learners]
-        self.delta_bits = cfg.run.params * wire_bits(cfg.run.codec)
+        self.delta_bits = (
+            cfg.run.params * wire_bits(cfg.run.codec) if cfg.run.delta_bytes is None else 8 * cfg.run.delta_bytes
+        )
         self.update_bits = cfg.run.params * wire_bits(cfg.run.update_codec)
         # Round r is visible in region g from visible[g][r] on.
         self.visible: dict[str, list[float]] = {r.name: [0.0] for r in cfg.regions}
@@ -732,3 +737,123 @@ def report(result: Result, cfg: SimConfig) -> list[str]:
     for g, (mean, peak) in d.links.items():
         lines.append(f"  link {g}: decoupled mean {mean:.3g} Gbit/s, peak {peak:.3g}")
     return lines
+
+
+# -- calibration on a recorded run ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordedDelta:
+    learner: str
+    region: str
+    phase: int
+    tokens: int
+    bytes: int
+    finished_at: float  # unix seconds, the learner's clock
+    seconds: float  # its phase
+    seen_at: float  # the synchronizer's clock when it first listed the delta
+
+
+@dataclass(frozen=True)
+class RecordedRound:
+    number: int
+    closed_at: float  # unix seconds: the manifest's creation
+    closed_by: str
+    deltas: tuple[RecordedDelta, ...]
+
+
+def calibrated(
+    rounds: list[RecordedRound],
+    learners: dict[str, str],
+    inner_steps: int,
+    quorum: QuorumSettings,
+    merge: MergeSettings,
+    paced: bool = True,
+) -> SimConfig:
+    """A simulation of a recorded run from its own timings: each region's step time from its
+    learners' time between deltas (the median per phase) over the steps a delta covers, the
+    link's latency from finish to seen, a round's publication from its last delta seen to its
+    manifest (rounds that closed all-in), a delta's measured bytes, and the wall time from the
+    learners' first phase to the last round. `learners`: learner → region; `rounds` from 1 on."""
+    deltas = [d for r in rounds for d in r.deltas]
+    if not deltas:
+        raise ValueError("the recorded run merged no delta: nothing to calibrate on")
+    tokens_per_step = max(1, max(d.tokens for d in deltas) // inner_steps)
+    t0 = min(d.finished_at - d.seconds for d in deltas)
+    by_learner: dict[str, list[RecordedDelta]] = {}
+    for d in sorted(deltas, key=lambda d: d.phase):
+        by_learner.setdefault(d.learner, []).append(d)
+    step_s: dict[str, list[float]] = {}
+    for name, ds in by_learner.items():
+        gaps = [(b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(ds, ds[1:]) if b.phase > a.phase]
+        cycle = statistics.median(gaps) if gaps else statistics.median(d.seconds for d in ds)
+        steps = statistics.median(d.tokens for d in ds) / tokens_per_step
+        step_s.setdefault(learners.get(name, ds[0].region), []).append(cycle / max(steps, 1e-9))
+    lags: dict[str, list[float]] = {}
+    for d in deltas:
+        lags.setdefault(d.region, []).append(max(0.0, d.seen_at - d.finished_at))
+    publish = [r.closed_at - max(d.seen_at for d in r.deltas) for r in rounds if r.closed_by == "all-in" and r.deltas]
+    regions = []
+    for region in dict.fromkeys(learners.values()):
+        count = sum(1 for g in learners.values() if g == region)
+        regions.append(
+            {
+                "name": region,
+                "learners": count,
+                "step_s": statistics.median(
+                    step_s.get(region, [statistics.median(s for v in step_s.values() for s in v)])
+                ),
+                "link_gbps": 1e5,  # the measured lag carries the transfer
+                "latency_s": statistics.median(lags.get(region, [0.0])),
+            }
+        )
+    wall = max(r.closed_at for r in rounds) - t0
+    return SimConfig.model_validate(
+        {
+            "regions": regions,
+            "run": {
+                "params": 1.0,
+                "tokens_per_step": tokens_per_step,
+                "inner_steps": inner_steps,
+                "paced": paced,
+                "publish_s": max(0.0, statistics.median(publish)) if publish else 0.0,
+                "delta_bytes": statistics.fmean(d.bytes for d in deltas),
+                "hours": (wall + 1e-3) / 3600,
+            },
+            "quorum": quorum.model_dump(),
+            "merge": merge.model_dump(),
+        }
+    )
+
+
+def compare(rounds: list[RecordedRound], cfg: SimConfig, result: Result) -> dict:
+    """The recorded run's rounds, closings and delta bytes beside the simulation's, with the
+    relative error of each."""
+    sim = result.decoupled.records
+    bytes_per = cfg.run.delta_bytes or cfg.run.params * wire_bits(cfg.run.codec) / 8
+    real = {
+        "rounds": len(rounds),
+        "closings": {k: sum(r.closed_by == k for r in rounds) for k in sorted({r.closed_by for r in rounds})},
+        "deltas": sum(len(r.deltas) for r in rounds),
+        "bytes": sum(d.bytes for r in rounds for d in r.deltas),
+    }
+    predicted = {
+        "rounds": len(sim),
+        "closings": {k: sum(r.reason == k for r in sim) for k in sorted({r.reason for r in sim})},
+        "deltas": sum(len(r.learners) for r in sim),
+        "bytes": bytes_per * sum(len(r.learners) for r in sim),
+    }
+
+    def off(a: float, b: float) -> float:
+        return abs(b - a) / a if a else float(b != 0)
+
+    closings = set(real["closings"]) | set(predicted["closings"])
+    return {
+        "recorded": real,
+        "predicted": predicted,
+        "error": {
+            "rounds": off(real["rounds"], predicted["rounds"]),
+            "closings": {k: off(real["closings"].get(k, 0), predicted["closings"].get(k, 0)) for k in sorted(closings)},
+            "bytes": off(real["bytes"], predicted["bytes"]),
+        },
+    }

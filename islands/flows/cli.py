@@ -73,7 +73,12 @@ def parser() -> argparse.ArgumentParser:
     sim = sub.add_parser(
         "simulate", help="simulate a run at any scale: goodput and bandwidth against sync DiLoCo and data-parallel"
     )
-    sim.add_argument("--config", type=Path, required=True, help="the simulation's TOML (benchmarks/simulate/)")
+    what = sim.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", type=Path, help="the simulation's TOML (benchmarks/simulate/)")
+    what.add_argument(
+        "--calibrate", metavar="RUN", help="simulate a recorded run from its own timings and compare with it"
+    )
+    sim.add_argument("--store", help="with --calibrate: bucket URL template the run lives in (default: embedded S3)")
     sim.add_argument("--seed", type=int, help="seed of the failures drawn (default: the config's)")
     sim.add_argument("--hours", type=float, help="wall time simulated (default: the config's run.hours)")
     sim.add_argument("--json", action="store_true", help="end with the figures as one JSON object")

@@ -384,6 +384,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from islands.core.simulate import load_sim_config, report, simulate
 
+    if args.calibrate:
+        return calibrate_simulation(args)
     given = {"seed": args.seed, "run.hours": args.hours}
     try:
         config = load_sim_config(args.config, {k: v for k, v in given.items() if v is not None})
@@ -396,6 +398,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print("\n".join(report(result, config)))
     if args.json:
         print(json.dumps(result.summary()))
+    return 0
+
+
+def calibrate_simulation(args: argparse.Namespace) -> int:
+    """`islands simulate --calibrate RUN`: the recorded run beside its simulation."""
+    from islands.ops.calibrate import calibration
+    from islands.ops.status import locate
+    from islands.storage.store import ObjectMissing, StoreError
+
+    try:
+        found = calibration(args.calibrate, locate(args.store))
+    except ObjectMissing:
+        return fail(f"{args.calibrate}: no such run; check the run id or pass --store")
+    except (ValueError, StoreError) as exc:
+        return fail(f"simulate --calibrate: {exc}")
+    real, predicted, error = found["recorded"], found["predicted"], found["error"]
+    print(f"{'':<22}{'recorded':>12}{'simulated':>12}{'off by':>9}")
+    print(f"{'rounds':<22}{real['rounds']:>12}{predicted['rounds']:>12}{error['rounds']:>9.1%}")
+    for reason, off in error["closings"].items():
+        a, b = real["closings"].get(reason, 0), predicted["closings"].get(reason, 0)
+        print(f"{'closed ' + reason:<22}{a:>12}{b:>12}{off:>9.1%}")
+    print(f"{'delta bytes':<22}{real['bytes']:>12,.0f}{predicted['bytes']:>12,.0f}{error['bytes']:>9.1%}")
+    if args.json:
+        print(json.dumps(found))
     return 0
 
 
