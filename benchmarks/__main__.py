@@ -14,7 +14,7 @@ moto's own server against its S3 app served directly, `--only s3_endpoint`), `hf
 model at the quality and utilization bars, `--only hf`) and `gpu` (a GPU learner's tokens/s and
 MFU, and the merge of 1B-parameter deltas, `--only gpu`; benchmarks.gpu). The suite's
 `learner_memory` is a learner's peak memory over its model's bytes at 10M, 100M and 180M
-parameters (--quick: 10M), each in a process of its own.
+parameters (--quick: 2M), each in a process of its own.
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so

@@ -2,15 +2,17 @@
 
 Each size runs in a process of its own on a `file://` store: a Llama config of that many
 parameters (the byte vocabulary, so the corpus costs nothing), round 0 published by a process
-before it, then a learner that opens, restores nothing, trains PHASES phases of H=2 steps on
-round 0 with carry and error feedback, and writes each delta and state through its write-behind
-uploads. The figure is the learner process's peak resident memory (VmHWM) over its model's
-float32 bytes, taken after it has imported torch and the rest (the interpreter's own ~0.3 GiB
-is not the model's), against the bar of 8× the model + 1 GiB (fp32 AdamW on the CPU; see
-docs/operations.md, "What a learner needs").
+before it (--quick: by this one, its 2M model being a smoke test), then a learner that opens,
+restores nothing, trains PHASES phases of H=2 steps on round 0 with carry and error feedback, and
+writes each delta and state through its write-behind uploads. The figure is the growth of the
+learner process's peak resident memory (VmHWM) over what it held after importing torch and the
+rest (the interpreter's own ~0.35 GiB is not the model's), over its model's float32 bytes,
+against the bar of 8× the model + 1 GiB (fp32 AdamW on the CPU; see docs/operations.md, "What a
+learner needs").
 
-`python -m benchmarks.learner_memory --child SIZE FOLDER` is one learner's measurement (JSON on
-its last line); `measure(params, folder)` runs it in a subprocess and returns that JSON.
+`python -m benchmarks.learner_memory --publish HIDDEN LAYERS FOLDER` writes the model's config
+and the run; `--child FOLDER` is one learner's measurement (JSON on its last line);
+`measure(hidden, layers, folder)` runs both in subprocesses and returns that JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from benchmarks.report import Result, Row, at_most, figure
 
 SIZES = {"10M": (384, 6), "100M": (768, 14), "180M": (1024, 14)}  # hidden size, layers
-QUICK_SIZES = {"10M": (384, 6)}
+QUICK_SIZES = {"2M": (256, 2)}  # a smoke test: the interpreter's own memory dwarfs it
 PHASES = 3
 RATIO_BAR, ALLOWANCE = 8.0, 1 << 30
 RUN = "learner-memory"
@@ -133,13 +135,19 @@ def hwm() -> int:
     return status("VmHWM")
 
 
-def measure(hidden: int, layers: int, folder: Path, restarts: int = 0, timeout_s: float = 1800) -> dict:
-    """One size: round 0 published by one process, the learner measured in another; with
-    `restarts`, that many more learner processes after it, each restoring the state the one
-    before saved (the figures are the last one's, `first` the first one's)."""
+def measure(
+    hidden: int, layers: int, folder: Path, restarts: int = 0, timeout_s: float = 1800, publish_here: bool = False
+) -> dict:
+    """One size: round 0 published by one process (this one with `publish_here`: a small model,
+    a process start saved), the learner measured in another; with `restarts`, that many more
+    learner processes after it, each restoring the state the one before saved (the figures are
+    the last one's, `first` the first one's)."""
     env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"}
     outs = []
-    for args in (["--publish", str(hidden), str(layers)], *[["--child"]] * (1 + restarts)):
+    if publish_here:
+        publish(folder, hidden, layers)
+    first = [] if publish_here else [["--publish", str(hidden), str(layers)]]
+    for args in (*first, *[["--child"]] * (1 + restarts)):
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.learner_memory", *args, str(folder)],
             capture_output=True,
@@ -163,7 +171,7 @@ def run(quick: bool = False) -> Result:
     raw = {}
     for name, (hidden, layers) in (QUICK_SIZES if quick else SIZES).items():
         with tempfile.TemporaryDirectory(prefix="islands-learner-memory-") as tmp:
-            out = measure(hidden, layers, Path(tmp))
+            out = measure(hidden, layers, Path(tmp), publish_here=quick)
         raw[name] = out
         bar = RATIO_BAR + ALLOWANCE / out["model_bytes"]
         rows.append(
