@@ -85,3 +85,36 @@ def test_a_delta_written_tensor_by_tensor_is_the_object_and_residual_of_the_whol
     assert set(new_residual) == set(expected_residual)
     assert all(torch.equal(new_residual[n], expected_residual[n]) for n in expected_residual)
     assert all(torch.equal(kept[n], delta[n]) for n in delta) and set(kept) == set(delta)
+
+
+def test_rounds_rebuilt_from_spooled_updates_are_apply_updates_and_leave_the_held_round_be(tmp_path):
+    from islands.core.merge import apply_update
+    from islands.storage import layout
+    from islands.storage.codec import decode, encode_wire
+    from islands.storage.manifest import ObjectRef
+    from islands.storage.rounds import checkpoint_metadata
+    from islands.storage.store import Stores, sha256_hex
+    from islands.tasks.train_phase import LearnerSession
+
+    stores = Stores(f"file://{tmp_path}/{{bucket}}", ["north"])
+    session = LearnerSession.__new__(LearnerSession)
+    session.run, session.learner, session.region, session.stores = "run", "north-0", "north", stores
+    gen = torch.Generator().manual_seed(0)
+    held = {f"w{i}": torch.randn(130, 3, generator=gen) for i in range(3)}
+    before = {n: t.clone() for n, t in held.items()}
+    manifests, expected = [], held
+    for round_ in (1, 2):
+        data = encode_wire({n: torch.randn(t.shape, generator=gen) * 1e-2 for n, t in held.items()}, {}, "bf16")
+        ref = ObjectRef(
+            key=layout.update_key("run", round_, sha256_hex(data)), sha256=sha256_hex(data), bytes=len(data)
+        )
+        stores.global_.put_if_absent(ref.key, data)
+        expected = apply_update(expected, decode(data)[0])
+        model = SimpleNamespace(sha256=sha256_hex(encode_state(expected, checkpoint_metadata("run", round_))))
+        manifests.append(SimpleNamespace(round=round_, update=ref, model=model))
+
+    got = session.rebuilt(manifests, held)
+    assert got is not None and all(torch.equal(got[n], expected[n]) for n in expected)
+    assert all(torch.equal(held[n], before[n]) for n in held)  # the follower's round is not touched
+    wrong = SimpleNamespace(round=1, update=manifests[0].update, model=manifests[1].model)
+    assert session.rebuilt([wrong], held) is None  # round 1 rebuilt is not the model named

@@ -39,16 +39,14 @@ from prefect.cache_policies import NO_CACHE
 from islands.core.compress import RESIDUAL_PREFIX, compress_with_feedback, split_residual
 from islands.core.config import RunConfig
 from islands.core.inner import InnerTrainer, carried
-from islands.core.merge import apply_update
 from islands.core.model import build_model, params_of
 from islands.core.pace import phase_steps
 from islands.core.validate import short
 from islands.storage import layout
-from islands.storage.cache import regional_get, regional_spool
+from islands.storage.cache import regional_spool
 from islands.storage.codec import (
     TensorFile,
     TensorFileWriter,
-    decode,
     encode_state_object,
     restamped,
     restamped_object,
@@ -319,21 +317,30 @@ class LearnerSession:
 
     def rebuilt(self, manifests: list[Manifest], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """θ_h + the updates of rounds h+1…r in turn, if that encodes to the very bytes round r's
-        manifest names (each round's model is its parent plus its update, so the last hash checks all)."""
+        manifest names (each round's model is its parent plus its update, so the last hash checks all).
+
+        Each update is spooled to local disk and applied a tensor at a time, as `apply_update`
+        applies it (θ + decoded, in float32): the round held is never copied whole beside the
+        update's bytes and its decoded tensors, only θ_r is made; a second update adds in place."""
         params = held
         for manifest in manifests:
-            params = apply_update(params, decode(self.fetch(manifest.update))[0])
+            with tempfile.TemporaryDirectory(prefix=f"islands-update-{self.learner}-") as tmp:
+                got = regional_spool(
+                    self.regional_store, self.global_store, self.run, manifest.update, self.learner, Path(tmp) / "u"
+                )
+                update = TensorFile(got.path, got.body_sha256)
+                if params is held:
+                    params = {name: p.add(update.decoded(name)) for name, p in params.items()}
+                else:
+                    for name, p in params.items():
+                        p.add_(update.decoded(name))
         encoded = encode_state_object(params, checkpoint_metadata(self.run, manifests[-1].round))
         return params if encoded.sha256 == manifests[-1].model.sha256 else None
 
-    def fetch(self, ref: ObjectRef) -> bytes:
-        """A round's object through the region's cache: each crosses regions once per region."""
-        return regional_get(self.regional_store, self.global_store, self.run, ref, owner=self.learner)
-
     def fetch_state(self, ref: ObjectRef) -> dict[str, torch.Tensor]:
-        """A checkpoint the way `fetch` takes it, spooled to local disk and read tensor by tensor:
-        its bytes are never in memory beside its tensors (the follower fetches while the phase
-        trains and the round before is still held)."""
+        """A checkpoint through the region's cache (each crosses regions once per region), spooled
+        to local disk and read tensor by tensor: its bytes are never in memory beside its tensors
+        (the follower fetches while the phase trains and the round before is still held)."""
         with tempfile.TemporaryDirectory(prefix=f"islands-round-{self.learner}-") as tmp:
             got = regional_spool(
                 self.regional_store, self.global_store, self.run, ref, self.learner, Path(tmp) / "object"
