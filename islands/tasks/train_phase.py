@@ -468,8 +468,12 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     if cfg.lr_catch_up:
         session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
     steps = phase_steps(cfg.inner_steps, session.rate, list(held[1].rates.values())) if cfg.paced else cfg.inner_steps
+    # The phase holds its base, not the round it was made from: with carried deltas in the base,
+    # that round (a model's size) goes as soon as the follower holds a newer one.
+    base = [session.reference(held)]
+    del held
     result = session.trainer.run_phase(
-        session.reference(held),
+        base.pop(),
         steps,
         slowdown=cfg.slowdown(session.region),
         min_step_s=cfg.min_step_s.get(session.region, 0.0),
