@@ -68,7 +68,7 @@ def test_failures_cost_the_lockstep_schemes_more_than_the_decoupled_one():
 
 
 def test_a_slow_region_trains_paced_phases_and_its_link_carries_what_its_deltas_weigh():
-    """eu-west at a third of the speed trains H/3-step phases, so its deltas come as often; each
+    """eu-west at a third of the speed trains H/3-step phases after its first, so its deltas come as often; each
     learner sends one int4 delta (4.125 bits a value) a phase and receives every round."""
     cfg = config(
         regions=(("us-east", 1, 1.0), ("eu-west", 1, 3.0)),
@@ -81,7 +81,8 @@ def test_a_slow_region_trains_paced_phases_and_its_link_carries_what_its_deltas_
     up_gbps = 1e9 * wire_bits("int4") / 30 / 1e9  # a delta every 30 s
     down_gbps = 1e9 * 32 / 30 / 1e9  # an fp32 round every 30 s
     for mean, _ in d.links.values():
-        assert mean == pytest.approx(max(up_gbps, down_gbps), rel=0.02)
+        # Less the few rounds eu-west's first phase costs: H steps, its rate not known yet.
+        assert mean == pytest.approx(max(up_gbps, down_gbps), rel=0.04)
     # Synchronous DiLoCo waits for the slow region: 2 × 1/3 of the 1 + 1/3 steps a second.
     assert result.sync_diloco.goodput == pytest.approx((2 / 3) / (1 + 1 / 3), rel=0.03)
 

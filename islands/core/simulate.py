@@ -81,6 +81,7 @@ class Region(_Section):
     step_s: float = Field(1.0, gt=0, le=3600, description="Seconds per inner step on this region's hardware.")
     link_gbps: float = Field(10.0, gt=0, le=1e6, description="The region's link to the synchronizer, Gbit/s.")
     latency_s: float = Field(0.05, ge=0, le=600, description="One-way latency of that link, seconds.")
+    start_s: float = Field(0.0, ge=0, le=DAY_S, description="Seconds into the run its learners start training.")
 
 
 class RunSim(_Section):
@@ -94,6 +95,9 @@ class RunSim(_Section):
     codec: Codec = Field("int4", description="The deltas' codec.")
     update_codec: Codec = Field("fp32", description="The rounds' codec, as learners download them.")
     publish_s: float = Field(5.0, ge=0, le=DAY_S, description="A round's merge and publication, seconds.")
+    phase_cv: float = Field(
+        0.0, ge=0, le=10, description="Spread of a phase's time: its standard deviation over its mean (0: none)."
+    )
     delta_bytes: float | None = Field(
         None, gt=0, le=1e15, description="Bytes of one delta as measured (empty: params × the codec's bits)."
     )
@@ -462,7 +466,8 @@ class Decoupled:
         return bisect.bisect_right(self.visible[region], t) - 1
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> Scheme:
-        clock = [(0.0, L.index) for L in self.learners]
+        start = {r.name: r.start_s for r in self.cfg.regions}
+        clock = [(start[L.region], L.index) for L in self.learners]
         heapq.heapify(clock)
         shown = 0.0
         while clock:
@@ -503,8 +508,11 @@ class Decoupled:
             return down[1]
         if L.rate not in self.steps:
             self.steps[L.rate] = phase_steps(run.inner_steps, L.rate, self.rates) if run.paced else run.inner_steps
-        steps = self.steps[L.rate]
+        # A learner's own rate is known from its first delta on: its first phase is H steps.
+        steps = self.steps[L.rate] if L.phase > 0 else run.inner_steps
         slow = faults.straggler_factor if self.rng.random() < faults.straggler_fraction else 1.0
+        if run.phase_cv:
+            slow *= max(0.1, self.rng.gauss(1.0, run.phase_cv))
         step_s = L.step_s * slow
         end = t + steps * step_s
         failure = self.timeline.failure_in(L.index, t, end)
@@ -760,6 +768,7 @@ class RecordedRound:
     closed_at: float  # unix seconds: the manifest's creation
     closed_by: str
     deltas: tuple[RecordedDelta, ...]
+    after_close_s: float | None = None  # from the quorum's close to the manifest: load, merge, publish
 
 
 def calibrated(
@@ -771,8 +780,8 @@ def calibrated(
     paced: bool = True,
 ) -> SimConfig:
     """A simulation of a recorded run from its own timings: each region's step time from its
-    learners' time between deltas (the median per phase) over the steps a delta covers, the
-    link's latency from finish to seen, a round's publication from its last delta seen to its
+    learners' time between deltas (the median per phase) over the steps a delta covers, when its
+    learners started (their first phase), how much a phase's time varies, the link's latency from finish to seen, a round's publication from its last delta seen to its
     manifest (rounds that closed all-in), a delta's measured bytes, and the wall time from the
     learners' first phase to the last round. `learners`: learner → region; `rounds` from 1 on."""
     deltas = [d for r in rounds for d in r.deltas]
@@ -784,15 +793,30 @@ def calibrated(
     for d in sorted(deltas, key=lambda d: d.phase):
         by_learner.setdefault(d.learner, []).append(d)
     step_s: dict[str, list[float]] = {}
+    starts: dict[str, list[float]] = {}
+    spreads: list[float] = []
     for name, ds in by_learner.items():
-        gaps = [(b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(ds, ds[1:]) if b.phase > a.phase]
-        cycle = statistics.median(gaps) if gaps else statistics.median(d.seconds for d in ds)
-        steps = statistics.median(d.tokens for d in ds) / tokens_per_step
-        step_s.setdefault(learners.get(name, ds[0].region), []).append(cycle / max(steps, 1e-9))
+        # Seconds per step, from one delta's finish to the next's over the steps the next covers
+        # (deltas of the next phase only; without two, the phase's own seconds).
+        per_step = [
+            (b.finished_at - a.finished_at) / (b.tokens / tokens_per_step)
+            for a, b in zip(ds, ds[1:])
+            if b.phase == a.phase + 1 and b.tokens > 0
+        ] or [d.seconds / max(d.tokens / tokens_per_step, 1e-9) for d in ds]
+        region = learners.get(name, ds[0].region)
+        step_s.setdefault(region, []).append(statistics.median(per_step))
+        if len(per_step) > 1:
+            spreads.append(statistics.stdev(per_step) / statistics.fmean(per_step))
+        cycle = statistics.median(per_step) * statistics.median(d.tokens for d in ds) / tokens_per_step
+        # Its first phase began its first merged delta's phases earlier (start-up differs by learner).
+        first = ds[0]
+        starts.setdefault(region, []).append(max(0.0, first.finished_at - first.seconds - first.phase * cycle - t0))
     lags: dict[str, list[float]] = {}
     for d in deltas:
         lags.setdefault(d.region, []).append(max(0.0, d.seen_at - d.finished_at))
-    publish = [r.closed_at - max(d.seen_at for d in r.deltas) for r in rounds if r.closed_by == "all-in" and r.deltas]
+    publish = [r.after_close_s for r in rounds if r.after_close_s is not None] or [
+        r.closed_at - max(d.seen_at for d in r.deltas) for r in rounds if r.closed_by == "all-in" and r.deltas
+    ]
     regions = []
     for region in dict.fromkeys(learners.values()):
         count = sum(1 for g in learners.values() if g == region)
@@ -805,6 +829,7 @@ def calibrated(
                 ),
                 "link_gbps": 1e5,  # the measured lag carries the transfer
                 "latency_s": statistics.median(lags.get(region, [0.0])),
+                "start_s": statistics.median(starts.get(region, [0.0])),
             }
         )
     wall = max(r.closed_at for r in rounds) - t0
@@ -816,6 +841,7 @@ def calibrated(
                 "tokens_per_step": tokens_per_step,
                 "inner_steps": inner_steps,
                 "paced": paced,
+                "phase_cv": min(10.0, statistics.median(spreads)) if spreads else 0.0,
                 "publish_s": max(0.0, statistics.median(publish)) if publish else 0.0,
                 "delta_bytes": statistics.fmean(d.bytes for d in deltas),
                 "hours": (wall + 1e-3) / 3600,

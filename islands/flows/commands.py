@@ -408,7 +408,7 @@ def calibrate_simulation(args: argparse.Namespace) -> int:
     from islands.storage.store import ObjectMissing, StoreError
 
     try:
-        found = calibration(args.calibrate, locate(args.store))
+        found = calibration(args.calibrate, locate(args.store), args.seed or 0)
     except ObjectMissing:
         return fail(f"{args.calibrate}: no such run; check the run id or pass --store")
     except (ValueError, StoreError) as exc:

@@ -29,6 +29,7 @@ def recorded_rounds(chain: list[Manifest]) -> list[RecordedRound]:
                 RecordedDelta(c.learner, c.region, c.phase, c.tokens, c.bytes, c.finished_at, c.seconds, c.seen_at)
                 for c in m.contributions
             ),
+            sum(m.timings.get(k, 0.0) for k in ("load_s", "merge_s", "publish_s")) if m.timings else None,
         )
         for m in chain
         if m.round >= 1
@@ -46,10 +47,11 @@ def sim_config_of(config: RunConfig, rounds: list[RecordedRound]) -> SimConfig:
     )
 
 
-def calibration(run_id: str, template: str) -> dict:
-    """The recorded run beside its simulation: {"recorded", "predicted", "error"} (relative)."""
+def calibration(run_id: str, template: str, seed: int = 0) -> dict:
+    """The recorded run beside its simulation (phase times drawn with `seed`):
+    {"recorded", "predicted", "error"} (relative)."""
     config = read_config(Stores(template, []).global_, run_id)
     stores = Stores(template, config.regions)
     rounds = recorded_rounds([m for m, _ in read_chain(stores.global_, run_id)])
-    sim = sim_config_of(config, rounds)
+    sim = sim_config_of(config, rounds).model_copy(update={"seed": seed})
     return compare(rounds, sim, simulate(sim))
