@@ -13,8 +13,9 @@ The model, and what it leaves out (docs/operations.md, "Will it pay off for my r
   hour: any chip failing stops its replica, which restarts `recover_s` later from the newest
   round and loses the phase in progress. A region outage stops every learner of the region and
   its link for its duration.
-- A phase is `phase_steps(H, …)` steps of `step_s` (× `straggler_factor` for the fraction of
-  phases that straggle); the learner starts its next phase at once and folds in every round
+- A phase is `phase_steps(H, …)` steps of `step_s` (H for a learner's first, its rate not known
+  yet; × `straggler_factor` for the fraction of phases that straggle, × a draw of spread
+  `phase_cv`); the learner starts its next phase at once and folds in every round
   that becomes visible meanwhile (it rebases), so a delta's base is the newest round visible when
   its last step begins. Its delta leaves in `fragments` equal pieces spread over the phase, each
   through its region's link (a FIFO queue at `link_gbps`, `latency_s` on top, a storage stall of
@@ -27,6 +28,8 @@ The model, and what it leaves out (docs/operations.md, "Will it pay off for my r
   behind `backward_share` of a step), the slowest sets the pace, and any failure or outage stops
   all of them until the failed learner is back (`recover_s`); synchronous DiLoCo then redoes the
   round in progress, data-parallel everything since its last checkpoint (`checkpoint_s`).
+- `calibrated` builds a simulation of a recorded run from its own timings (islands.ops.calibrate
+  reads them from its manifests) and `compare` sets its rounds, closings and bytes beside them.
 - Goodput is tokens merged (lockstep: tokens of completed rounds or steps kept) over the tokens
   every learner would train at its own speed, never failing and never waiting, in the same wall
   time. Bandwidth is what a region's link carries in its busier direction (a ring all-reduce
