@@ -164,3 +164,21 @@ def test_a_recorded_runs_timings_predict_its_rounds_closings_and_bytes():
     found = compare(rounds, cfg, simulate(cfg))
     assert found["predicted"]["rounds"] == 10 and found["predicted"]["closings"] == {"all-in": 10}
     assert found["error"]["rounds"] == 0 and found["error"]["bytes"] < 1e-9
+
+
+def test_the_recorded_demo_run_calibrates_to_its_rounds_within_one():
+    """benchmarks/simulate/recorded: the manifests and config of an 8-round `islands run` of the
+    demo (four regions on two shared cores). Its rounds come within one of the recorded for every
+    seed, closed by quorum+grace as they were; its bytes come short by the deltas its noisily
+    paced learners sent beyond steady pacing (docs/operations.md)."""
+    from pathlib import Path
+
+    from islands.ops.calibrate import calibration
+
+    store = Path(__file__).resolve().parent.parent / "benchmarks" / "simulate" / "recorded"
+    found = [calibration("sim-record", f"file://{store}/{{bucket}}", seed) for seed in range(5)]
+    assert all(f["recorded"]["rounds"] == 8 and f["recorded"]["closings"] == {"quorum+grace": 8} for f in found)
+    assert all(abs(f["predicted"]["rounds"] - 8) <= 1 for f in found)
+    assert sum(f["predicted"]["rounds"] for f in found) / len(found) == pytest.approx(8, rel=0.1)
+    assert all(f["predicted"]["closings"].get("quorum+grace", 0) >= f["predicted"]["rounds"] - 1 for f in found)
+    assert all(0.15 < f["error"]["bytes"] < 0.4 for f in found)
