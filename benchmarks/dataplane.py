@@ -11,19 +11,30 @@ then moves the same bytes with plain boto3 calls, one after another and with bot
 checksums, for the throughput baseline. Each step's CPU seconds, user and kernel, are reported
 for the child and for moto's server: on a VM whose new pages are slow to find, the kernel's
 share is where the copies into fresh memory show.
+
+`--sizes 100M 1B` measures the merge's memory alone at those sizes instead: synthetic θ, outer
+state and K = 4 deltas (fp32 and int8) in a file:// store, written a chunk at a time; a child
+process reads, validates and merges them as the synchronizer does (RoundState.read_parent,
+collect.inspect_all, merge_step.apply_merge, publish.write_objects) and reports its peak resident
+memory over its resident memory before it began (VmHWM − VmRSS). The merge streams
+(synchronizer.chunk_mb at a time), so the figure is the same at every size: the ratio between
+sizes is printed too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import torch
@@ -34,7 +45,7 @@ from islands.core.model import GPT, GPTConfig
 from islands.storage import layout
 from islands.storage.codec import encode
 from islands.storage.manifest import ObjectRef
-from islands.storage.rounds import get_tensors, put_tensors
+from islands.storage.rounds import put_tensors
 from islands.storage.store import Stores, bucket_url
 
 STORE = EMBEDDED_STORE
@@ -82,6 +93,19 @@ def write_inputs(cfg: GPTConfig, k: int, stores: Stores) -> dict:
     return refs
 
 
+def parent_of(refs: dict) -> SimpleNamespace:
+    """Round 0 as much of a manifest as the synchronizer reads from it: its model, its outer
+    state, nothing merged."""
+    return SimpleNamespace(
+        round=0,
+        model=ObjectRef(**refs["model"]),
+        outer=ObjectRef(**refs["outer"]),
+        contributions=[],
+        excluded=[],
+        consumed=set,
+    )
+
+
 def vm(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -123,9 +147,8 @@ def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
     stores = Stores(STORE, REGIONS)
     run = f"dataplane-k{k}"
     t0 = time.perf_counter()
-    model = get_tensors(stores.global_, ObjectRef(**refs["model"]))
-    momentum = get_tensors(stores.global_, ObjectRef(**refs["outer"]))
-    state = RoundState(config(k), run, 1, stores, [], model, momentum)
+    state = RoundState(config(k), run, 1, stores, [(parent_of(refs), "0" * 64)], {}, None)
+    state.read_parent()  # θ and the momentum spooled to local files, read a chunk at a time
     t1 = time.perf_counter()
     ours = [("start", cpu_s(server_pid))]
     arrivals = inspect_all(state, [tuple(d) for d in refs["deltas"]])
@@ -134,10 +157,10 @@ def measure(k: int, refs: dict, s3_url: str, server_pid: int) -> dict:
         raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
     t_read = time.perf_counter()
     ours.append(("read_and_validate", cpu_s(server_pid)))
-    model, _, model_object, update, outer, _, _ = apply_merge(state, arrivals, state.config.merge)
+    model_object, update, outer, _, _ = apply_merge(state, arrivals, state.config.merge)
     t_merge = time.perf_counter()
     ours.append(("merge", cpu_s(server_pid)))
-    written = write_objects(state, Merged(model, model_object, update, outer, [], []))
+    written = write_objects(state, Merged(None, model_object, update, outer, [], []))
     state.drop_spool()
     t2 = time.perf_counter()
     ours.append(("write", cpu_s(server_pid)))
@@ -279,15 +302,15 @@ def run(quick: bool) -> Result:
     for k in ks:
         res.rows.append(throughput_row(k, res.raw[f"k{k}"]))
     for k in ks:
-        m = res.raw[f"k{k}"]["peak_rss_over_baseline"] / model_bytes
+        peak = res.raw[f"k{k}"]["peak_rss_over_baseline"]
         res.rows.append(
             at_most(
-                f"dataplane: synchronizer peak memory / model bytes, K={k}",
-                m,
-                3.0,
-                "flat in K (deltas wait on disk, one tensor decoded at a time; the update and the "
-                "outer state go to their files as they are made), but θ and the momentum are 2× by "
-                "themselves, and per-tensor buffers and the process's growth come on top",
+                f"dataplane: synchronizer peak memory over idle, MiB, K={k}",
+                peak / 2**20,
+                1024.0,
+                f"{peak / model_bytes:.2f}× the model's bytes; flat in K and in the model's size: θ, the "
+                "momentum and the deltas are read and the round's objects written synchronizer.chunk_mb "
+                "(64) at a time, so the peak is a fixed multiple of it plus the process's own",
             )
         )
     for k in ks:
@@ -304,8 +327,166 @@ def child() -> None:
     print(json.dumps(measure(args.child, json.loads(sys.stdin.read()), args.s3, args.server_pid)))
 
 
+SIZES = {"20M": 20_000_000, "80M": 80_000_000, "100M": 100_000_000, "1B": 1_000_000_000}
+VOCAB = 50_257  # a GPT-2 embedding's rows: the largest tensor, merged by chunks of rows
+
+
+def synthetic_shapes(params: int) -> dict[str, tuple[int, ...]]:
+    """A GPT-like model of about `params` parameters: an embedding of VOCAB rows, then (4d, d)
+    matrices each with a (d,) bias, d growing with the size."""
+    d = 256 if params < 50_000_000 else 1024 if params < 500_000_000 else 2048
+    out: dict[str, tuple[int, ...]] = {"wte.weight": (VOCAB, d)}
+    total, i = VOCAB * d, 0
+    while total < params:
+        out[f"h.{i}.weight"], out[f"h.{i}.bias"] = (4 * d, d), (d,)
+        total, i = total + 4 * d * d + d, i + 1
+    return out
+
+
+def _synthetic_object(folder: Path, shapes_: dict, seed: int, scale: float, codec: str, metadata: dict):
+    """An object of random tensors in `codec`'s wire form, written a chunk at a time to part
+    files (never whole in memory)."""
+    from islands.core.compress import quantized_wire
+    from islands.storage.codec import TensorFileWriter
+
+    writer = TensorFileWriter(folder)
+    g, step = torch.Generator().manual_seed(seed), 2**22
+    for name, shape in shapes_.items():
+        n, streams = math.prod(shape), None
+        for start in range(0, n, step):
+            chunk = torch.randn(min(step, n - start), generator=g) * scale
+            wire = quantized_wire({name: chunk}, codec)
+            streams = streams or writer.coded(name, list(shape), wire)
+            for key, stream in streams.items():
+                stream.write(wire[key])
+        for stream in streams.values():
+            stream.close()
+    return writer.finish(metadata)
+
+
+def write_synthetic(folder: Path, params: int, k: int, codec: str) -> dict:
+    """θ, the outer state and K deltas of `params` parameters in a file:// store under `folder`."""
+    from islands.storage.rounds import put_encoded
+
+    stores = Stores(f"file://{folder}/buckets/{{bucket}}", REGIONS)
+    conf, run, shapes_ = memory_config(k, codec, 64), f"memory-k{k}", synthetic_shapes(params)
+    parts = folder / "parts"
+    parts.mkdir()
+    refs: dict = {"deltas": []}
+    for i, (what, scale) in enumerate([("model", 0.02), ("outer", 1e-3)]):
+        obj = _synthetic_object(parts / what, shapes_, i, scale, "fp32", {})
+        key_for = layout.model_key if what == "model" else layout.outer_key
+        refs[what] = put_encoded(stores.global_, lambda sha, f=key_for: f(run, 0, sha), obj).model_dump()
+    for i, (learner, region, _) in enumerate(conf.learners()):
+        meta = {
+            "run": run,
+            "learner": learner,
+            "region": region,
+            "phase": "0",
+            "base_round": "0",
+            "inner_steps": "50",
+            "tokens": "102400",
+            "loss": "3.0",
+            "seconds": "1.0",
+            "finished_at": str(time.time()),
+            "codec": codec,
+        }
+        obj = _synthetic_object(parts / learner, shapes_, 10 + i, 1e-3, codec, meta)
+        key = layout.delta_key(run, learner, 0)
+        stores.region(region).put_if_absent(key, obj)
+        refs["deltas"].append([region, key, obj.size])
+    shutil.rmtree(parts)
+    return refs
+
+
+def memory_config(k: int, codec: str, chunk_mb: int) -> RunConfig:
+    return RunConfig(
+        run_id=f"memory-k{k}",
+        regions=REGIONS,
+        learners_per_region=k // len(REGIONS),
+        speed={},
+        codec=codec,
+        synchronizer={"chunk_mb": chunk_mb},
+    )
+
+
+def merge_memory(folder: Path, refs: dict, k: int, codec: str, chunk_mb: int) -> dict:
+    """In a child: read θ_{r−1}, the outer state and the K deltas, validate and merge them and
+    write the round's objects, as the synchronizer does; its peak memory over its memory before."""
+    from islands.tasks.collect import Arrival, inspect_all
+    from islands.tasks.merge_step import Merged, apply_merge
+    from islands.tasks.publish import write_objects
+    from islands.tasks.round_state import RoundState
+
+    torch.set_num_threads(2)
+    stores = Stores(f"file://{folder}/buckets/{{bucket}}", REGIONS)
+    state = RoundState(
+        memory_config(k, codec, chunk_mb), f"memory-k{k}", 1, stores, [(parent_of(refs), "0" * 64)], {}, None
+    )
+    baseline = vm("VmRSS")
+    t0 = time.perf_counter()
+    state.read_parent()
+    arrivals = inspect_all(state, [tuple(d) for d in refs["deltas"]])
+    bad = [a.reason for a in arrivals if not isinstance(a, Arrival)]
+    if bad:
+        raise RuntimeError(f"the synthetic deltas were refused: {bad[:2]}")
+    model_object, update, outer, _, _ = apply_merge(state, arrivals, state.config.merge)
+    write_objects(state, Merged(None, model_object, update, outer, [], []))
+    state.drop_spool()
+    return {"peak_rss_over_idle": vm("VmHWM") - baseline, "idle_rss": baseline, "seconds": time.perf_counter() - t0}
+
+
+def memory_at(params: int, k: int = 4, codec: str = "fp32", chunk_mb: int = 64) -> dict:
+    """The merge's peak memory over its idle memory at `params` parameters, measured in a child."""
+    with tempfile.TemporaryDirectory(prefix="islands-merge-memory-") as tmp:
+        refs = write_synthetic(Path(tmp), params, k, codec)
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.dataplane", "--memory-child", tmp, str(k), codec, str(chunk_mb)],
+            input=json.dumps(refs),
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"merge memory child failed:\n{out.stderr[-3000:]}")
+        return {"params": sum(math.prod(s) for s in synthetic_shapes(params).values())} | json.loads(
+            out.stdout.strip().splitlines()[-1]
+        )
+
+
+def memory_report(sizes: list[str], codecs: list[str], chunk_mb: int) -> bool:
+    """Print the merge's peak memory at each size and codec and the ratio between sizes; True
+    when every ratio is within 25% and every peak below 1 GiB."""
+    ok, mib = True, 2**20
+    for codec in codecs:
+        got = {}
+        for size in sizes:
+            got[size] = m = memory_at(SIZES[size], 4, codec, chunk_mb)
+            print(
+                f"merge memory {size:>4} ({m['params'] / 1e6:.0f}M params, K=4, {codec}, chunk_mb={chunk_mb}): "
+                f"peak RSS over idle {m['peak_rss_over_idle'] / mib:.0f} MiB "
+                f"(idle {m['idle_rss'] / mib:.0f} MiB, {m['seconds']:.0f} s)",
+                flush=True,
+            )
+            ok = ok and m["peak_rss_over_idle"] < 2**30
+        for a, b in zip(sizes, sizes[1:]):
+            ratio = got[b]["peak_rss_over_idle"] / got[a]["peak_rss_over_idle"]
+            print(f"merge memory {codec}: {b} / {a} = {ratio:.2f}", flush=True)
+            ok = ok and abs(ratio - 1) <= 0.25
+    return ok
+
+
 if __name__ == "__main__":
     if "--child" in sys.argv:
         child()
+    elif "--memory-child" in sys.argv:
+        folder, k, codec, chunk_mb = sys.argv[sys.argv.index("--memory-child") + 1 :][:4]
+        print(json.dumps(merge_memory(Path(folder), json.loads(sys.stdin.read()), int(k), codec, int(chunk_mb))))
+    elif "--sizes" in sys.argv:
+        p = argparse.ArgumentParser()
+        p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["100M", "1B"])
+        p.add_argument("--codecs", nargs="+", default=["fp32", "int8"])
+        p.add_argument("--chunk-mb", type=int, default=64)
+        args = p.parse_args()
+        sys.exit(0 if memory_report(args.sizes, args.codecs, args.chunk_mb) else 1)
     else:
         standalone(run)

@@ -26,7 +26,7 @@ from islands.core.model import build_model
 from islands.flows.outer_round import outer_round
 from islands.ops.audit import audit_run
 from islands.storage import layout
-from islands.storage.codec import canonical, encode
+from islands.storage.codec import canonical, decode_state, encode
 from islands.storage.rounds import read_chain, read_manifest
 from islands.storage.store import Stores
 from islands.tasks.collect import collect
@@ -118,12 +118,13 @@ def test_a_merge_that_would_not_be_finite_quarantines_its_cause(on_stack):
         collected = collect.fn(state)
         assert {a.key for a in collected.arrivals} == {honest, culprit}
         merged = merge.fn(state, collected)
+    model = decode_state(merged.model_object.read_bytes())  # from its part files, before they go
     state.drop_spool()
     assert [c.key for c in merged.contributions] == [honest]
     (why,) = [e for e in merged.excluded if e.key == culprit]
     assert why.kind == "quarantined" and "non-finite" in why.reason
-    assert all(torch.isfinite(t).all() for t in merged.model.values())
-    moved = sum(float((merged.model[k] - truth[k]).abs().max()) for k in truth)
+    assert all(torch.isfinite(t).all() for t in model.values())
+    moved = sum(float((model[k] - truth[k]).abs().max()) for k in truth)
     assert 0 < moved < 1  # θ_0 read again and stepped by the honest delta alone
 
 

@@ -109,6 +109,17 @@ class MergeSettings(_Section):
     )
 
 
+class SynchronizerSettings(_Section):
+    """The synchronizer's own process: how much of the model it handles at once."""
+
+    chunk_mb: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="The merge reads θ, the outer state and every delta, and writes the round's objects, this many MB of float32 values at a time (whole 128-value blocks); its memory is a fixed multiple of it, whatever the model's size.",
+    )
+
+
 class QuorumSettings(_Section):
     """When an outer round stops collecting."""
 
@@ -263,6 +274,7 @@ class RunConfig(BaseModel):
     inner: InnerSettings = InnerSettings()
     merge: MergeSettings = MergeSettings()
     quorum: QuorumSettings = QuorumSettings()
+    synchronizer: SynchronizerSettings = SynchronizerSettings()
 
     @field_validator("run_id")
     @classmethod

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from islands.core.compress import compress_with_feedback
+from islands.core.compress import compress_with_feedback, from_wire, quantized_wire
 from islands.core.config import MergeSettings
 
 RESIDUAL_DTYPE = torch.bfloat16  # the synchronizer's error-feedback residual
@@ -109,9 +109,10 @@ def weighted_average(tensors: Iterable[torch.Tensor], weights: list[float]) -> t
         elif tensor.shape != acc.shape:
             raise ValueError(f"cannot average tensors of shapes {tuple(acc.shape)} and {tuple(tensor.shape)}")
         acc.add_(tensor, alpha=w)  # promoted to float64 element by element: no float64 copy of the tensor
+        del tensor  # let go of it before the next one is read
     if next(given, None) is not None:
         raise ValueError(f"need one weight per tensor and at least one of each, got more than {len(weights)} tensors")
-    return (acc / total).to(torch.float32)
+    return acc.div_(total).to(torch.float32)  # in place: the same values as acc / total, no second float64 copy
 
 
 def outer_step(
@@ -198,3 +199,22 @@ def encode_update_tensor(
     # Kept in bf16: half the synchronizer's memory for it, and its own rounding (2^-9 of what the
     # codec dropped) is negligible next to what it corrects.
     return wire, param.add(decoded[name]), {n: t.to(RESIDUAL_DTYPE) for n, t in left.items()}
+
+
+def encode_update_chunk_(
+    name: str, param: torch.Tensor, target: torch.Tensor, residual: torch.Tensor | None, codec: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """`encode_update_tensor` for a run of whole BLOCKs of one flattened tensor (the synchronizer's
+    streaming merge), `param` turned into its θ_r in place (as `apply_update` rebuilds it) and
+    `target` used up: its wire entries with the integers packed, not yet deflated (the caller
+    deflates the tensor's as one stream), θ_r (`param`), its part of the new residual (None for
+    fp32). Every step is value by value or block by block, and in place only where the values
+    are the same, so the chunks put end to end are `encode_update_tensor`'s bits."""
+    sent = target.sub_(param)
+    if residual is not None:
+        sent.add_(residual)
+    sent = sent.float()
+    packed = quantized_wire({name: sent}, codec)
+    decoded = from_wire(packed, codec)[name]  # from the packed integers: nothing to inflate
+    left = None if codec == "fp32" else sent.sub_(decoded).to(RESIDUAL_DTYPE)
+    return packed, param.add_(decoded), left

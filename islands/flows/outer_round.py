@@ -66,6 +66,7 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
     t0 = time.perf_counter()
     state = RoundState.load(config, run_id, stores)
     if state.round != round:
+        state.drop_spool()  # θ_{r−1} and the outer state were spooled for nothing
         raise RuntimeError(f"{run_id}: round {round} cannot be published before round {state.round}")
     t1 = time.perf_counter()
     try:
@@ -76,16 +77,10 @@ def outer_round(run_id: str, round: int, store: str) -> dict:  # noqa: A002 - th
         t3 = time.perf_counter()
         timings = {"load_s": round_s(t1 - t0), "collect_s": round_s(t2 - t1), "merge_s": round_s(t3 - t2)}
         published = publish(state, collected, merged, timings)
-        # θ_r in memory is the round's unless another synchronizer's round was adopted. A round
-        # just committed and not due has no evaluation to read.
+        # The merge never holds θ_r whole: an evaluation due reads the committed checkpoint once,
+        # the merge's memory long given back. A round just committed and not due has none to read.
         due = config.evaluates(round, published.manifest.tokens_applied)
-        loss = (
-            evaluate_round(
-                config, stores.global_, published.manifest, merged.model if published.outcome != "adopted" else None
-            )
-            if due
-            else None
-        )
+        loss = evaluate_round(config, stores.global_, published.manifest) if due else None
     finally:
         state.drop_spool()
     manifest = evaluated(published.manifest, loss)

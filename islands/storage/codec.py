@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from islands.core import compress
 from islands.core.codecs import CODECS, Codec
 from islands.core.compress import (
     BITS,
@@ -271,6 +272,11 @@ class TensorFileWriter:
         self.parts_dir = parts_dir
         self.parts_dir.mkdir()
         self.parts: dict[str, tuple[torch.dtype, list[int], Piece]] = {}
+        self._files = 0
+
+    def _new_part(self) -> Path:
+        self._files += 1
+        return self.parts_dir / str(self._files - 1)
 
     def __enter__(self) -> TensorFileWriter:
         return self
@@ -281,10 +287,44 @@ class TensorFileWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         dtype, shape, data = self._entry(name, tensor)
-        part = self.parts_dir / str(len(self.parts))
+        part = self._new_part()
         with open(part, "wb") as fh:
             fh.write(data)
         self.parts[name] = (dtype, shape, part)
+
+    def stream(self, name: str, dtype: torch.dtype, shape: list[int]) -> PartStream:
+        """A tensor of `shape` whose values come a chunk at a time, in order (`PartStream.write`),
+        each appended to its part file as it comes."""
+        if name in self.parts:
+            raise ValueError(f"tensor {name!r} added twice")
+        return PartStream(self, name, dtype, list(shape))
+
+    def deflating(self, name: str, dtype: torch.dtype) -> DeflatedStream:
+        """Packed integers `<name>.q` that come a chunk at a time and are deflated as they come,
+        as `islands.core.compress.deflate` deflates them whole (the same bytes): kept as `<name>.z`
+        where that is smaller, as `<name>.q` where not."""
+        return DeflatedStream(self, name, dtype)
+
+    def coded(
+        self, name: str, shape: list[int], wire: dict[str, torch.Tensor]
+    ) -> dict[str, PartStream | DeflatedStream]:
+        """Where a tensor of `shape` that comes a chunk at a time in a codec's wire form (the
+        first chunk's `wire`, integers packed, as islands.core.compress.quantized_wire gives it)
+        goes, by wire name: the floats and scales appended, the packed integers deflated as they
+        come, the shape written now, once."""
+        streams: dict[str, PartStream | DeflatedStream] = {}
+        for key, t in wire.items():
+            if key == name:
+                streams[key] = self.stream(key, t.dtype, shape)
+            elif key == name + ".q":
+                streams[key] = self.deflating(name, t.dtype)
+            elif key == name + ".scale":
+                streams[key] = self.stream(key, t.dtype, [-(-math.prod(shape) // BLOCK)])
+            elif key == name + ".shape":
+                self.add(key, torch.tensor(shape, dtype=torch.int64))
+            else:
+                raise ValueError(f"tensor {name!r}: no wire entry {key!r} in a codec's form")
+        return streams
 
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         self.parts[name] = self._entry(name, tensor)
@@ -296,6 +336,59 @@ class TensorFileWriter:
 
     def finish(self, metadata: dict[str, str] | None) -> EncodedObject:
         return _encoded(self.parts, metadata)
+
+
+def _raw(tensor: torch.Tensor):
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class PartStream:
+    """One tensor of a `TensorFileWriter`, written to its part file a chunk at a time."""
+
+    def __init__(self, writer: TensorFileWriter, name: str, dtype: torch.dtype, shape: list[int]):
+        self.writer, self.name, self.dtype, self.shape = writer, name, dtype, shape
+        self.path = writer._new_part()
+        self.fh = open(self.path, "wb")  # noqa: SIM115 - closed by close(), or with the parts on an error
+
+    def write(self, chunk: torch.Tensor) -> None:
+        if chunk.dtype != self.dtype:
+            raise ValueError(f"tensor {self.name!r}: a {chunk.dtype} chunk where {self.dtype} was declared")
+        self.fh.write(_raw(chunk))
+
+    def close(self) -> None:
+        self.fh.close()
+        want = math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        if self.path.stat().st_size != want:
+            raise ValueError(f"tensor {self.name!r}: {self.path.stat().st_size} bytes written, its shape needs {want}")
+        self.writer.parts[self.name] = (self.dtype, self.shape, self.path)
+
+
+class DeflatedStream:
+    """Packed integers written a chunk at a time, deflated on the way (see `TensorFileWriter.deflating`)."""
+
+    def __init__(self, writer: TensorFileWriter, name: str, dtype: torch.dtype):
+        self.writer, self.name, self.dtype = writer, name, dtype
+        self.packed, self.deflated = writer._new_part(), writer._new_part()
+        self.q = open(self.packed, "wb")  # noqa: SIM115 - closed by close()
+        self.z = open(self.deflated, "wb")  # noqa: SIM115 - closed by close()
+        self.stream = zlib.compressobj(compress.DEFLATE_LEVEL)  # read when used, as `deflate` reads it
+
+    def write(self, chunk: torch.Tensor) -> None:
+        raw = _raw(chunk)
+        self.q.write(raw)
+        self.z.write(self.stream.compress(raw))
+
+    def close(self) -> None:
+        self.z.write(self.stream.flush())
+        self.q.close()
+        self.z.close()
+        raw, packed = self.packed.stat().st_size, self.deflated.stat().st_size
+        if packed >= raw:
+            self.deflated.unlink()
+            self.writer.parts[self.name + ".q"] = (self.dtype, [raw], self.packed)
+        else:
+            self.packed.unlink()
+            self.writer.parts[self.name + ".z"] = (torch.uint8, [packed], self.deflated)
 
 
 def _encoded(
@@ -410,7 +503,7 @@ class TensorFile:
         """One stored tensor as it is stored (no codec: checkpoints and states), flat, `values`
         elements at a time (rounded down to whole blocks of BLOCK); each chunk in memory of its own."""
         self._readable(name)
-        step = _step(values)
+        step = chunk_values(values)
         numel = math.prod(self.shape(name))
         with open(self.path, "rb") as fh:
             for start in range(0, numel, step):
@@ -424,12 +517,11 @@ class TensorFile:
         (at the chunk where it shows, a cut-short or overlong stream at the end)."""
         self._readable(name)
         parts = self.plan[name]
-        if len(parts) == 1:
-            for chunk in self.stored_chunks(name, values):
-                yield chunk.float() if chunk.is_floating_point() else chunk
+        if len(parts) == 1:  # no local holds a chunk while the reader has it: map, not a loop
+            yield from map(_as_decoded, self.stored_chunks(name, values))
             return
         try:
-            yield from self._coded_chunks(name, parts, _step(values), shape_wanted)
+            yield from self._coded_chunks(name, parts, chunk_values(values), shape_wanted)
         except ValueError as exc:
             if isinstance(exc, CodecError):
                 raise
@@ -489,7 +581,11 @@ class TensorFile:
                 stream.finish(want_bytes)
 
 
-def _step(values: int) -> int:
+def _as_decoded(chunk: torch.Tensor) -> torch.Tensor:
+    return chunk.float() if chunk.is_floating_point() else chunk
+
+
+def chunk_values(values: int) -> int:
     """A chunk's elements: `values` rounded down to whole BLOCKs, one BLOCK at least."""
     return max(BLOCK, values - values % BLOCK)
 

@@ -7,7 +7,9 @@ sha256 checked, so a reader never trains on or merges bytes that were not commit
 from __future__ import annotations
 
 import json
+import math
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -15,7 +17,14 @@ from pydantic import ValidationError
 
 from islands.core.config import RunConfig
 from islands.storage import layout
-from islands.storage.codec import MAX_HEADER_BYTES, CodecError, TensorFile, encode_state_object, read_header
+from islands.storage.codec import (
+    MAX_HEADER_BYTES,
+    CodecError,
+    TensorFile,
+    chunk_values,
+    encode_state_object,
+    read_header,
+)
 from islands.storage.encoded import EncodedObject
 from islands.storage.manifest import EncodedRef, Evaluation, Manifest, ObjectRef
 from islands.storage.spool import spool
@@ -140,6 +149,68 @@ def get_tensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:
             raise IntegrityError(f"{store.url}/{ref.key}: sha256 {got.sha256[:12]}… ≠ expected {ref.sha256[:12]}…")
         stored = TensorFile(got.path, got.body_sha256)
         return {name: stored.stored(name) for name in stored.names}
+
+
+def spool_tensors(store: ObjectStore, ref: ObjectRef, path: Path) -> TensorFile:
+    """A committed object copied to the local file `path`, its sha256 checked, its tensors left
+    there to be read a chunk at a time (the synchronizer's θ_{r−1} and outer state)."""
+    got = spool(store, ref.key, path)
+    if got.sha256 != ref.sha256:
+        path.unlink(missing_ok=True)
+        raise IntegrityError(f"{store.url}/{ref.key}: sha256 {got.sha256[:12]}… ≠ expected {ref.sha256[:12]}…")
+    return TensorFile(got.path, got.body_sha256)
+
+
+class SpooledTensors(Mapping[str, torch.Tensor]):
+    """Some tensors of a local safetensors file under names of their own (`prefix` taken off
+    the stored ones): read whole only where a name is asked for, and a chunk at a time by
+    `chunks_of`. Nothing is held in memory."""
+
+    def __init__(self, file: TensorFile, prefix: str = "", skip: str | None = None):
+        self.file = file
+        self.stored = {
+            n[len(prefix) :]: n
+            for n in file.names
+            if n.startswith(prefix) and not (skip is not None and n.startswith(skip))
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.file.stored(self.stored[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.stored  # Mapping's own would read the tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stored)
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file.shape(self.stored[name])
+
+    def chunks(self, name: str, values: int) -> Iterator[torch.Tensor]:
+        return self.file.stored_chunks(self.stored[name], values)
+
+
+def shape_of(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """A tensor's shape, read from the header where the tensors are spooled."""
+    return tensors.shape(name) if isinstance(tensors, SpooledTensors) else tuple(tensors[name].shape)
+
+
+def numel_of(tensors: Mapping[str, torch.Tensor], name: str) -> int:
+    return math.prod(shape_of(tensors, name))
+
+
+def chunks_of(tensors: Mapping[str, torch.Tensor], name: str, values: int) -> Iterator[torch.Tensor]:
+    """One tensor, flat, `values` elements at a time (whole 128-value blocks), each chunk in
+    memory of its own: from the file for spooled tensors, copied out of memory otherwise."""
+    if isinstance(tensors, SpooledTensors):
+        yield from tensors.chunks(name, values)
+        return
+    flat, step = tensors[name].detach().reshape(-1), chunk_values(values)
+    for start in range(0, flat.numel(), step):
+        yield flat[start : start + step].clone()
 
 
 def read_config(store: ObjectStore, run: str) -> RunConfig:

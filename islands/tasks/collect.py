@@ -15,7 +15,9 @@ quarantined are quarantined too.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +38,12 @@ from islands.core.validate import (
     norm_bound,
     read_claims,
     short,
+    shown,
 )
 from islands.storage import layout, liveness
 from islands.storage.codec import CodecError, TensorFile
 from islands.storage.manifest import Excluded
+from islands.storage.rounds import shape_of
 from islands.storage.spool import spool
 from islands.storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError
 from islands.tasks.round_state import RoundState
@@ -209,7 +213,7 @@ def _judge(state: RoundState, region: str, key: str, size: int, path: Path, know
     known["tokens"] = claimed_tokens(delta.metadata, cfg.inner_steps, state.step_tokens)
     expected = Expected(state.run, learner, region, phase, state.round - 1, cfg.inner_steps, state.step_tokens)
     claims = read_claims(delta.metadata, expected)
-    reason, norm = check_delta(delta, state.model)
+    reason, norm = check_delta(delta, state.model, state.chunk_values)
     # Bounded here, not at the merge, so that a delta too large to merge never counts towards the quorum.
     reason = reason or norm_bound(norm, state.recent_norms(), state.model_norm, cfg.merge.norm_limit)
     if reason:
@@ -263,21 +267,28 @@ def inspect_all(state: RoundState, found: list[tuple[str, str, int]]) -> list[Ar
         return list(pool.map(lambda item: inspect(state, *item), found))
 
 
-def check_delta(delta: TensorFile, model: dict[str, torch.Tensor]) -> tuple[str | None, float]:
-    """(reason or None, global norm): every tensor decoded and checked against the model's, one
-    at a time; a tensor the codec cannot decode is refused with the codec's reason."""
+def check_delta(delta: TensorFile, model: Mapping[str, torch.Tensor], values: int) -> tuple[str | None, float]:
+    """(reason or None, global norm): every tensor decoded and checked against the model's
+    shapes, `values` elements at a time, so no tensor is ever whole in memory, however large; a
+    tensor the codec cannot decode is refused with the codec's reason."""
     reason = check_names(delta.names, model)
     if reason:
         return reason, 0.0
     norms = []
-    for name, ref in model.items():
+    for name in model:
+        shape = shape_of(model, name)
         try:
-            reason, norm = check_tensor(name, delta.decoded(name, tuple(ref.shape)), ref)
+            if len(delta.plan[name]) == 1 and delta.shape(name) != shape:
+                return f"wrong shape for {name}: {shown(delta.shape(name))} instead of {shape}", 0.0
+            squares = 0.0
+            for chunk in delta.chunks(name, values, shape):
+                reason, norm = check_tensor(name, chunk, chunk)
+                if reason:
+                    return reason, 0.0
+                squares += norm * norm
         except CodecError as exc:
             return str(exc), 0.0
-        if reason:
-            return reason, 0.0
-        norms.append(norm)
+        norms.append(math.sqrt(squares))
     return None, global_norm(norms)
 
 

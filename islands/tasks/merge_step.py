@@ -6,6 +6,7 @@ are quarantined, over-stale ones dropped) and keeps the bookkeeping the manifest
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,12 +16,12 @@ from prefect.cache_policies import NO_CACHE
 
 from islands.core.compress import RESIDUAL_PREFIX
 from islands.core.config import MergeSettings
-from islands.core.merge import Candidate, encode_update_tensor, merge_tensor_, plan_merge
+from islands.core.merge import Candidate, encode_update_chunk_, merge_tensor_, plan_merge
 from islands.core.validate import norm_outliers
-from islands.storage.codec import TensorFileWriter, encode_state_object
+from islands.storage.codec import TensorFileWriter
 from islands.storage.encoded import EncodedObject
 from islands.storage.manifest import Contribution, Excluded
-from islands.storage.rounds import checkpoint_metadata, update_metadata
+from islands.storage.rounds import checkpoint_metadata, chunks_of, shape_of, update_metadata
 from islands.tasks.collect import Arrival, Collected, inspect
 from islands.tasks.round_state import RoundState
 
@@ -40,8 +41,8 @@ class NonFinite(ArithmeticError):
 
 @dataclass
 class Merged:
-    model: dict[str, torch.Tensor]  # θ_r = θ_{r−1} + decode(update)
-    model_object: EncodedObject  # θ_r as its checkpoint object, read from θ_r's memory
+    model: dict[str, torch.Tensor] | None  # θ_r in memory where a caller has it; the merge leaves it None
+    model_object: EncodedObject  # θ_r as its checkpoint object, from part files written while merging
     update: EncodedObject  # the update codec's object, written while merging
     outer: EncodedObject  # the outer state: momentum and what the update codec has not sent yet
     contributions: list[Contribution]
@@ -49,65 +50,99 @@ class Merged:
 
 
 def apply_merge(state: RoundState, arrivals: list[Arrival], rule: MergeSettings):
-    """(θ_r, momentum, θ_r's checkpoint object, the encoded update, the outer state, weighted,
-    dropped).
+    """(θ_r's checkpoint object, the encoded update, the outer state, weighted, dropped); the
+    three objects are None when nothing is weighted.
 
-    Tensor by tensor: each parameter's deltas are read from the spooled files, averaged and
-    stepped into the round state's θ and momentum in place, then the step is encoded with the
-    update codec (islands.core.merge.encode_update), its wire tensors go straight to the update's part
-    files, θ_r becomes θ_{r−1} + the decoded step, and the codec's new residual goes straight to
-    the outer state's parts; the outer state and the checkpoint read the momentum and θ_r from
-    memory. The three objects are hashed side by side and uploaded from where their bytes are.
-    Memory holds θ and the momentum (the round state's residual is used up as it goes), and one
-    tensor of each delta, however many deltas there are; nothing long-lived is allocated in the
-    loop, so freed tensors are reused, not fragmented. Each tensor's bytes in the spooled deltas
-    are released once merged, so the part files take over their pages instead of new ones and
-    the spool shrinks as the merge goes."""
+    A chunk at a time (synchronizer.chunk_mb of float32 values, whole 128-value blocks): each
+    parameter's chunk of θ_{r−1}, of the momentum, of the residual and of every delta is read
+    from its local file, the deltas are averaged and the outer step taken, the step is encoded
+    with the update codec (islands.core.merge.encode_update_chunk), and θ_r = θ_{r−1} + the
+    decoded step, the new momentum, the update's wire values and the new residual are appended
+    to part files; the update's integers are deflated as one stream per tensor, the same bytes
+    as deflating them whole. Every operation is value by value or block by block in a fixed
+    order, so the bits are those of the whole-tensor merge (islands.core.merge.merge_round and
+    encode_update, which `audit --replay` runs). The three objects are hashed side by side from
+    their part files and uploaded from there. Memory holds a few chunks, whatever the model's
+    size and however many deltas there are; the round state is left as it was. Each tensor's
+    bytes in the spooled deltas are released once merged, so the part files take over their
+    pages and the spool shrinks as the merge goes."""
     weighted, dropped = plan_merge(
         state.round - 1, [Candidate(a.learner, a.phase, a.base_round, a.tokens) for a in arrivals], rule
     )
     if not weighted:
-        return None, None, None, None, None, weighted, dropped
+        return None, None, None, weighted, dropped
     by_id = {(a.learner, a.phase): a for a in arrivals}
     files = [by_id[(w.candidate.learner, w.candidate.phase)].delta for w in weighted]
     weights = [w.weight for w in weighted]
-    momentum = state.momentum if state.momentum is not None else {}
     codec = state.config.update_codec
     # The parts stay in the round's spool until the round is published.
-    update_parts = state.spool_dir / f"update-{state.round:06d}.parts"
-    outer_parts = state.spool_dir / f"outer-{state.round:06d}.parts"
-    with TensorFileWriter(update_parts) as update, TensorFileWriter(outer_parts) as outer:
-        for name, param in state.model.items():
-            parent = param.clone()
-            _, momentum[name] = merge_tensor_(
-                param, momentum.get(name), (f.decoded(name) for f in files), weights, rule
-            )
-            if not (torch.isfinite(param).all() and torch.isfinite(momentum[name]).all()):
-                pulls = [
-                    w * float(torch.linalg.vector_norm(f.decoded(name), dtype=torch.float64))
-                    for f, w in zip(files, weights)
-                ]
-                culprit = weighted[max(range(len(files)), key=pulls.__getitem__)].candidate
-                raise NonFinite(name, by_id[(culprit.learner, culprit.phase)].key)
+    spool = state.spool_dir
+    with (
+        TensorFileWriter(spool / f"model-{state.round:06d}.parts") as model,
+        TensorFileWriter(spool / f"update-{state.round:06d}.parts") as update,
+        TensorFileWriter(spool / f"outer-{state.round:06d}.parts") as outer,
+    ):
+        for name in state.model:
+            _merge_tensor(state, name, files, weights, weighted, by_id, rule, model, update, outer)
             for f in files:
-                f.release(name)  # read for the last time: the part files below reuse its pages
-            wire, rebuilt, left = encode_update_tensor(name, parent, param, state.residual, codec)
-            state.residual.pop(name, None)  # the old residual goes as the new one comes: never both whole
-            param.copy_(rebuilt)
-            for key, tensor in wire.items():
-                update.add(key, tensor)
-            # The residual travels with the momentum, so a resumed synchronizer carries on exactly.
-            outer.keep(name, momentum[name])  # in memory anyway, and unchanged until the upload
-            for key, tensor in left.items():
-                outer.add(RESIDUAL_PREFIX + key, tensor)
+                f.release(name)  # read for the last time: the part files reuse its pages
+        meta = checkpoint_metadata(state.run, state.round)
         with ThreadPoolExecutor(2, thread_name_prefix="merge-hash") as pool:  # hashlib lets go of the GIL
-            meta = checkpoint_metadata(state.run, state.round)
-            model_hashed = pool.submit(encode_state_object, state.model, meta)
+            model_hashed = pool.submit(model.finish, meta)
             update_hashed = pool.submit(update.finish, update_metadata(state.run, state.round, codec))
             outer_object = outer.finish(meta)
             model_object, update_object = model_hashed.result(), update_hashed.result()
-    state.momentum = momentum
-    return state.model, momentum, model_object, update_object, outer_object, weighted, dropped
+    return model_object, update_object, outer_object, weighted, dropped
+
+
+def _merge_tensor(state, name, files, weights, weighted, by_id, rule, model, update, outer) -> None:
+    """One parameter of `apply_merge`, a chunk at a time."""
+    codec, values = state.config.update_codec, state.chunk_values
+    shape = list(shape_of(state.model, name))
+    momentum = state.momentum if state.momentum is not None and name in state.momentum else None
+    residual = state.residual if name in state.residual else None
+    moms = chunks_of(momentum, name, values) if momentum is not None else None
+    carried = chunks_of(residual, name, values) if residual is not None else None
+    deltas = [f.chunks(name, values) for f in files]
+    theta_part = new_momentum = wire = left = None
+    for parent in chunks_of(state.model, name, values):
+        param = parent.clone()
+        m = next(moms) if moms is not None else None
+        param, m = merge_tensor_(param, m, (next(d) for d in deltas), weights, rule)
+        if not (torch.isfinite(param).all() and torch.isfinite(m).all()):
+            pulls = [
+                w
+                * math.sqrt(
+                    sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2 for c in f.chunks(name, values))
+                )
+                for f, w in zip(files, weights)
+            ]
+            culprit = weighted[max(range(len(files)), key=pulls.__getitem__)].candidate
+            raise NonFinite(name, by_id[(culprit.learner, culprit.phase)].key)
+        if new_momentum is None:
+            new_momentum = outer.stream(name, m.dtype, shape)
+        new_momentum.write(m)
+        del m  # written: one chunk fewer held while the update is encoded
+        dtype = parent.dtype
+        parts, rebuilt, kept = encode_update_chunk_(
+            name, parent, param, next(carried) if carried is not None else None, codec
+        )
+        del param  # used up by the encoding
+        if theta_part is None:
+            theta_part = model.stream(name, dtype, shape)
+            wire = update.coded(name, shape, parts)
+            if kept is not None:  # the residual travels with the momentum, so a resumed synchronizer carries on exactly
+                left = outer.stream(RESIDUAL_PREFIX + name, kept.dtype, shape)
+        theta_part.write(rebuilt)
+        for key, stream in wire.items():
+            stream.write(parts[key])
+        if left is not None:
+            left.write(kept)
+        del parent, rebuilt, parts, kept
+    if theta_part is None:
+        raise ValueError(f"tensor {name!r} has no values to merge")
+    for stream in (theta_part, new_momentum, *wire.values(), *([left] if left is not None else [])):
+        stream.close()
 
 
 def quarantined(a: Arrival, reason: str) -> Excluded:
@@ -116,8 +151,8 @@ def quarantined(a: Arrival, reason: str) -> Excluded:
 
 def merge_finite(state: RoundState, arrivals: list[Arrival], rule: MergeSettings, excluded: list[Excluded]):
     """`apply_merge`, and should θ_r or its momentum come out non-finite, again without the delta
-    that caused it (quarantined), from θ_{r−1} and the other deltas read afresh: the merge works
-    in place and lets go of what it has read."""
+    that caused it (quarantined), from θ_{r−1} and the other deltas read afresh: the merge lets
+    go of what it has read."""
     while True:
         try:
             return arrivals, apply_merge(state, arrivals, rule)
@@ -149,12 +184,12 @@ def merge(state: RoundState, collected: Collected) -> Merged:
     excluded = list(collected.quarantined)
     excluded += [quarantined(a, refused[a.key]) for a in collected.arrivals if a.key in refused]
     arrivals = [a for a in collected.arrivals if a.key not in refused]
-    arrivals, (model, _, model_object, update, outer, weighted, dropped) = merge_finite(state, arrivals, rule, excluded)
+    arrivals, (model_object, update, outer, weighted, dropped) = merge_finite(state, arrivals, rule, excluded)
     by_id = {(a.learner, a.phase): a for a in arrivals}
     for d in dropped:
         a = by_id[(d.candidate.learner, d.candidate.phase)]
         excluded.append(a.excluded("dropped", d.reason))
-    if model is None:
+    if model_object is None:
         why = (
             f"{len(excluded)} excluded"
             if excluded
@@ -196,4 +231,4 @@ def merge(state: RoundState, collected: Collected) -> Merged:
         len(contributions),
         ", ".join(f"{c.learner}@s{c.staleness}" for c in contributions),
     )
-    return Merged(model, model_object, update, outer, contributions, excluded)
+    return Merged(None, model_object, update, outer, contributions, excluded)

@@ -10,25 +10,28 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import count
 from pathlib import Path
 
 import torch
 
-from islands.core.compress import split_residual
+from islands.core.compress import RESIDUAL_PREFIX
 from islands.core.config import RunConfig
 from islands.core.data import Stream, eval_batches
 from islands.core.quorum import LearnerHistory
 from islands.storage.corpus import held_out_part
 from islands.storage.manifest import Contribution, Manifest
 from islands.storage.model_files import step_tokens
-from islands.storage.rounds import get_tensors, read_chain
+from islands.storage.rounds import SpooledTensors, chunks_of, numel_of, read_chain, spool_tensors
 from islands.storage.spool import SpoolFolder, remove_dead
 from islands.storage.store import Stores
 
 HISTORY = 5
 _CHAINS: dict[tuple[str, str], list[tuple[Manifest, str]]] = {}  # checked chains this process has read
+_READS = count()  # parent files get names of their own: a reload spools them afresh beside the old
 
 
 @lru_cache(maxsize=2)
@@ -54,9 +57,11 @@ class RoundState:
     round: int  # the round this synchronizer is about to publish
     stores: Stores
     chain: list[tuple[Manifest, str]]
-    model: dict[str, torch.Tensor]  # θ of the parent round; the merge turns it into θ_r in place
-    momentum: dict[str, torch.Tensor] | None
-    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # what the update codec dropped so far
+    # θ of the parent round and its outer momentum: spooled to local files by `load` and read a
+    # chunk at a time (SpooledTensors), or tensors in memory; the merge leaves both as they are.
+    model: Mapping[str, torch.Tensor]
+    momentum: Mapping[str, torch.Tensor] | None
+    residual: Mapping[str, torch.Tensor] = field(default_factory=dict)  # what the update codec dropped so far
 
     @classmethod
     def load(cls, config: RunConfig, run: str, stores: Stores) -> RoundState:
@@ -64,10 +69,37 @@ class RoundState:
         chain = _CHAINS[key] = read_chain(stores.global_, run, _CHAINS.get(key))
         if not chain:
             raise RuntimeError(f"run {run} has no round 0 in {stores.global_.url}")
-        parent = chain[-1][0]
-        model = get_tensors(stores.global_, parent.model)
-        momentum, residual = split_residual(get_tensors(stores.global_, parent.outer)) if parent.outer else (None, {})
-        return cls(config, run, parent.round + 1, stores, chain, model, momentum, residual)
+        state = cls(config, run, chain[-1][0].round + 1, stores, chain, {}, None)
+        state.read_parent()
+        return state
+
+    def read_parent(self) -> None:
+        """θ_{r−1}, its momentum and residual copied from the global bucket to this round's spool,
+        their sha256 checked; nothing of them is held in memory."""
+        parent, n = self.chain[-1][0], next(_READS)
+        for old in (self.model, self.momentum):
+            if isinstance(old, SpooledTensors):
+                old.file.path.unlink(missing_ok=True)  # read again: the files before go
+        try:
+            self.model = SpooledTensors(
+                spool_tensors(self.stores.global_, parent.model, self.spool_dir / f"parent-model-{n}.safetensors")
+            )
+            if parent.outer:
+                outer = spool_tensors(
+                    self.stores.global_, parent.outer, self.spool_dir / f"parent-outer-{n}.safetensors"
+                )
+                self.momentum = SpooledTensors(outer, skip=RESIDUAL_PREFIX)
+                self.residual = SpooledTensors(outer, prefix=RESIDUAL_PREFIX)
+            else:
+                self.momentum, self.residual = None, {}
+        except BaseException:
+            self.drop_spool()
+            raise
+
+    @property
+    def chunk_values(self) -> int:
+        """float32 values the merge and the checks read of each tensor at a time (synchronizer.chunk_mb)."""
+        return self.config.synchronizer.chunk_mb * 2**20 // 4
 
     @cached_property
     def spool(self) -> SpoolFolder:
@@ -136,7 +168,13 @@ class RoundState:
     @cached_property
     def model_norm(self) -> float:
         """‖θ_{r−1}‖, taken before the merge turns θ into θ_r (merge.norm_limit)."""
-        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in self.model.values()))
+        return math.sqrt(
+            sum(
+                float(chunk.double().pow(2).sum())
+                for name in self.model
+                for chunk in chunks_of(self.model, name, self.chunk_values)
+            )
+        )
 
     @cached_property
     def step_tokens(self) -> int:
@@ -145,13 +183,12 @@ class RoundState:
     def reload(self) -> None:
         """θ_{r−1}, its momentum and residual read again from storage (after a merge that failed
         part way through them)."""
-        fresh = RoundState.load(self.config, self.run, self.stores)
-        self.model, self.momentum, self.residual = fresh.model, fresh.momentum, fresh.residual
+        self.read_parent()
         self.__dict__.pop("model_norm", None)
 
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""
-        return sum(t.numel() * 4 for t in self.model.values()) + 1_000_000
+        return sum(numel_of(self.model, name) * 4 for name in self.model) + 1_000_000
 
 
 def cycle(recent: list[Contribution]) -> float | None:
