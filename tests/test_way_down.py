@@ -102,7 +102,7 @@ def test_a_learner_rounds_behind_chains_the_updates_and_learns_which_of_its_delt
     reads(session, 0)
     for phase in (0, 1):
         for i, learner in enumerate(["north-0", "south-0"]):
-            put(config, stores, learner, phase, delta_bytes(config, stores, learner, phase, phase, seed=i))
+            put(config, stores, learner, phase, delta_bytes(config, stores, learner, phase, phase, seed=2 * phase + i))
         outer_round(run_id=run, round=phase + 1, store=stores.template)
     manifests = [read_manifest(stores.global_, run, r)[0] for r in (1, 2)]
     assert sum(m.update.bytes for m in manifests) < manifests[1].model.bytes
