@@ -423,18 +423,21 @@ def explain(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def read_toml(path: Path) -> dict:
+    """The `--config` file's tables; ConfigError in one line when it is missing, unreadable or not TOML."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--config: {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config: {path} is not valid TOML ({exc})") from exc
+    except OSError as exc:
+        raise ConfigError(f"--config: {path} cannot be read ({exc.strerror})") from exc
+
+
 def load_config(path: Path | None, overrides: dict) -> RunConfig:
     """TOML file (optional) with CLI overrides on top; raise ConfigError naming the field."""
-    data: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"--config: {path} does not exist") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config: {path} is not valid TOML ({exc})") from exc
-        except OSError as exc:
-            raise ConfigError(f"--config: {path} cannot be read ({exc.strerror})") from exc
+    data: dict = {} if path is None else read_toml(path)
     for key, value in overrides.items():
         section, _, field = key.partition(".")
         if not field:

@@ -43,7 +43,6 @@ import heapq
 import math
 import random
 import statistics
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ from islands.core.config import (
     QuorumSettings,
     _Section,
     explain,
+    read_toml,
 )
 from islands.core.merge import Candidate, plan_merge
 from islands.core.pace import phase_steps
@@ -174,14 +174,7 @@ class SimConfig(_Section):
 
 def load_sim_config(path: Path, overrides: dict | None = None) -> SimConfig:
     """A simulation's TOML with `overrides` on top ("seed", "run.hours"); raise ConfigError naming the field."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError(f"--config: {path} does not exist") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config: {path} is not valid TOML ({exc})") from exc
-    except OSError as exc:
-        raise ConfigError(f"--config: {path} cannot be read ({exc.strerror})") from exc
+    data = read_toml(path)
     for key, value in (overrides or {}).items():
         section, _, name = key.partition(".")
         if name:

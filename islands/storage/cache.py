@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from islands.storage import layout
 from islands.storage.encoded import EncodedObject
@@ -25,6 +26,7 @@ from islands.storage.spool import Spooled, spool
 from islands.storage.store import IntegrityError, ObjectMissing, ObjectStore
 
 CLAIM_WAIT_S = 60.0
+T = TypeVar("T")
 POLL_S = 0.25
 
 
@@ -39,32 +41,13 @@ def regional_get(
 ) -> bytes:
     """The bytes `ref` names, from the region's copy; the region's first reader makes the copy."""
     key = layout.cache_key(run, ref.key)
-    try:
-        return region.get(key, sha256=ref.sha256)
-    except ObjectMissing:
-        pass
-    except IntegrityError:
-        region.delete(key)  # damaged in storage: garbage; copied again below
-        return _copy(region, global_, key, ref)
-    claim = json.dumps({"owner": owner, "at": time.time()}).encode()
-    if region.put_if_absent(layout.claim_key(key), claim):
-        return _copy(region, global_, key, ref)
-    waited = 0.0
-    while waited < wait_s:
-        sleep(POLL_S)
-        waited += POLL_S
-        if region.exists(key):
-            try:
-                return region.get(key, sha256=ref.sha256)
-            except IntegrityError:
-                break
-    return _copy(region, global_, key, ref)
 
+    def copy() -> bytes:
+        data = global_.get(ref.key, sha256=ref.sha256)
+        region.put_if_absent(key, data)
+        return data
 
-def _copy(region: ObjectStore, global_: ObjectStore, key: str, ref: ObjectRef) -> bytes:
-    data = global_.get(ref.key, sha256=ref.sha256)
-    region.put_if_absent(key, data)
-    return data
+    return _through_region(region, key, owner, lambda: region.get(key, sha256=ref.sha256), copy, wait_s, sleep)
 
 
 def regional_spool(
@@ -85,8 +68,23 @@ def regional_spool(
         region.put_if_absent(key, EncodedObject((path,), got.sha256))
         return got
 
+    return _through_region(region, key, owner, lambda: _spooled(region, key, ref, path), copy, wait_s, sleep)
+
+
+def _through_region(
+    region: ObjectStore,
+    key: str,
+    owner: str,
+    read: Callable[[], T],
+    copy: Callable[[], T],
+    wait_s: float,
+    sleep: Callable[[float], None],
+) -> T:
+    """The region's copy at `key` if it is there and sound (a damaged one is deleted and made
+    again); else the first reader claims the copy with a put-if-absent marker and makes it, and
+    the others wait for it, up to `wait_s`, then make it themselves."""
     try:
-        return _spooled(region, key, ref, path)
+        return read()
     except ObjectMissing:
         pass
     except IntegrityError:
@@ -101,7 +99,7 @@ def regional_spool(
         waited += POLL_S
         if region.exists(key):
             try:
-                return _spooled(region, key, ref, path)
+                return read()
             except IntegrityError:
                 break
     return copy()
