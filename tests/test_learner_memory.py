@@ -6,6 +6,7 @@ model's float32 bytes plus a fixed allowance over what it held after its imports
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -99,6 +100,7 @@ def test_rounds_rebuilt_from_spooled_updates_are_apply_updates_and_leave_the_hel
     stores = Stores(f"file://{tmp_path}/{{bucket}}", ["north"])
     session = LearnerSession.__new__(LearnerSession)
     session.run, session.learner, session.region, session.stores = "run", "north-0", "north", stores
+    session._scratch, session._scratch_made = SimpleNamespace(path=tmp_path), threading.Lock()
     gen = torch.Generator().manual_seed(0)
     held = {f"w{i}": torch.randn(130, 3, generator=gen) for i in range(3)}
     before = {n: t.clone() for n, t in held.items()}

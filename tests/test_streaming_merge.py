@@ -21,7 +21,7 @@ from islands.storage import layout
 from islands.storage.codec import TensorFile, decode, decode_state, encode, encode_state, encode_wire
 from islands.storage.manifest import Excluded
 from islands.storage.rounds import checkpoint_metadata, get_tensors, put_tensors, update_metadata
-from islands.storage.spool import remove_dead
+from islands.storage.spool import remove_dead, spool_prefix
 from islands.storage.store import Stores, sha256_hex
 from islands.tasks.collect import Arrival, inspect, inspect_all
 from islands.tasks.merge_step import Merged, apply_merge
@@ -199,13 +199,13 @@ def test_a_killed_synchronizers_spool_is_removed_by_the_next_one(tmp_path, monke
         mine = state.spool_dir
         assert not dead.exists() and other_run.exists() and live.exists()
         assert mine.parent == tmp_path and f"{RUN}-round000001-" in mine.name
-        assert remove_dead(RUN) == []  # this process is alive: its spool stays
+        assert remove_dead(spool_prefix(RUN)) == []  # this process is alive: its spool stays
         state.drop_spool()
         assert not mine.exists()
     finally:
         owner.kill()
         owner.wait()
-    assert remove_dead(RUN) == [live]  # its owner is gone: nobody holds the lock
+    assert remove_dead(spool_prefix(RUN)) == [live]  # its owner is gone: nobody holds the lock
 
 
 def _peak_live_decoded_bytes(tmp_path, k: int, monkeypatch) -> tuple[int, int]:

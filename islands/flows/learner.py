@@ -96,13 +96,16 @@ def learner(
         epoch,
     )
     phases = tokens = 0
-    session.follow(POLL_S)
-    while next_base(session) is not None:
-        out = train_phase(session, session.next_phase)
-        phases += out["steps"] > 0
-        tokens += out.get("tokens", 0)
-    session.rounds.close()
-    session.uploads.close()  # the last phase's delta and state are in storage before the run ends
+    try:
+        session.follow(POLL_S)
+        while next_base(session) is not None:
+            out = train_phase(session, session.next_phase)
+            phases += out["steps"] > 0
+            tokens += out.get("tokens", 0)
+        session.rounds.close()
+        session.uploads.close()  # the last phase's delta and state are in storage before the run ends
+    finally:
+        session.remove_scratch()
     log.info(
         "%s learner %s (%s) done: %d phases, %d tokens%s",
         run_id,

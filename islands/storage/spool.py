@@ -91,33 +91,37 @@ def punch_holes(path: Path, spans: list[tuple[int, int]]) -> None:
         os.close(fd)
 
 
-class SpoolFolder:
-    """A fresh folder for one round's spooled deltas, owned by this process for as long as it
-    holds an exclusive lock on the folder itself (flock(2) of its descriptor). The kernel lets go of the lock when
-    the process dies however it dies, so a folder whose lock can be taken belongs to nobody:
-    a synchronizer killed mid-round cannot clean up after itself, and the next one does
-    (`remove_dead`)."""
+class OwnedFolder:
+    """A fresh local folder named `prefix…`, owned by this process for as long as it holds an
+    exclusive lock on the folder itself (flock(2) of its descriptor). The kernel lets go of the
+    lock when the process dies however it dies, so a folder whose lock can be taken belongs to
+    nobody: a synchronizer or learner killed mid-round cannot clean up after itself, and the next
+    one of the same name does (`remove_dead`)."""
 
-    def __init__(self, run: str, round_: int):
-        self.run = run
-        self.path = Path(tempfile.mkdtemp(prefix=f"{_prefix(run)}round{round_:06d}-"))
-        self._owner = os.open(self.path, os.O_RDONLY)
+    def __init__(self, prefix: str):
+        self.path = Path(tempfile.mkdtemp(prefix=prefix))
+        self._owner: int | None = os.open(self.path, os.O_RDONLY)
         fcntl.flock(self._owner, fcntl.LOCK_EX)
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._owner)
+        """Delete the folder and let go of it; again, nothing."""
+        if self._owner is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._owner)
+            self._owner = None
 
 
-def _prefix(run: str) -> str:
-    return f"islands-spool-{run}-"
+def spool_prefix(run: str, round_: int | None = None) -> str:
+    """The name of a synchronizer's spool folders of `run` (of round `round_`)."""
+    return f"islands-spool-{run}-round" + ("" if round_ is None else f"{round_:06d}-")
 
 
-def remove_dead(run: str) -> list[Path]:
-    """Delete the spool folders of `run` that no live process owns; each holds up to K deltas.
-    Live ones, this process's own too, stay (a second lock on the same file is refused)."""
+def remove_dead(prefix: str) -> list[Path]:
+    """Delete the local folders named `prefix…` that no live process owns (OwnedFolder): each
+    may hold a model's size or more. Live ones, this process's own too, stay (a second lock on
+    the same folder is refused)."""
     removed = []
-    for path in Path(tempfile.gettempdir()).glob(_prefix(run) + "round*"):
+    for path in Path(tempfile.gettempdir()).glob(prefix + "*"):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:

@@ -26,7 +26,7 @@ from islands.storage.corpus import held_out_part
 from islands.storage.manifest import Contribution, Manifest
 from islands.storage.model_files import step_tokens
 from islands.storage.rounds import SpooledTensors, chunks_of, numel_of, read_chain, spool_tensors
-from islands.storage.spool import SpoolFolder, remove_dead
+from islands.storage.spool import OwnedFolder, remove_dead, spool_prefix
 from islands.storage.store import Stores
 
 HISTORY = 5
@@ -102,12 +102,12 @@ class RoundState:
         return self.config.synchronizer.chunk_mb * 2**20 // 4
 
     @cached_property
-    def spool(self) -> SpoolFolder:
+    def spool(self) -> OwnedFolder:
         """Where this round's deltas wait between collect and merge; fresh for every process and
         every try, so a spooled file is never trusted beyond the process that read it. Spools that
         synchronizers of this run left when they were killed are removed first."""
-        remove_dead(self.run)
-        return SpoolFolder(self.run, self.round)
+        remove_dead(spool_prefix(self.run))
+        return OwnedFolder(spool_prefix(self.run, self.round))
 
     @property
     def spool_dir(self) -> Path:

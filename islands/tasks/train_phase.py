@@ -56,7 +56,7 @@ from islands.storage.lease import Watch
 from islands.storage.manifest import Manifest, ObjectRef
 from islands.storage.model_files import local_model
 from islands.storage.rounds import checkpoint_metadata, newest_round_from, read_manifest, stop_requested
-from islands.storage.spool import spool
+from islands.storage.spool import OwnedFolder, remove_dead, spool
 from islands.storage.store import IntegrityError, ObjectMissing, ObjectStore, StoreError, Stores, sha256_hex
 from islands.tasks.crash import crash_point
 from islands.tasks.ddp_phase import PhaseJob, learner_trainer
@@ -95,12 +95,16 @@ def restamp(data: bytes | EncodedObject, **metadata: str) -> bytes | EncodedObje
     return restamped(data, **metadata) if isinstance(data, bytes) else restamped_object(data, **metadata)
 
 
-def scratch_folder(run: str, learner: str) -> Path:
-    """A local folder for this process's phase files (deltas and states on their way up, carried
-    deltas), removed when the process exits."""
-    path = Path(tempfile.mkdtemp(prefix=f"islands-learner-{run}-{learner}-"))
-    atexit.register(shutil.rmtree, path, True)
-    return path
+def scratch_folder(run: str, learner: str) -> OwnedFolder:
+    """A local folder for this process's files (deltas and states on their way up, carried
+    deltas, objects read). The learner flow removes it when it ends (a flow run's process may
+    leave without running exit handlers), the interpreter at exit otherwise; those of this
+    learner's processes that were killed are removed first."""
+    prefix = f"islands-learner-{run}-{learner}-"
+    remove_dead(prefix)
+    folder = OwnedFolder(prefix)
+    atexit.register(folder.remove)
+    return folder
 
 
 class Spilled(Mapping):
@@ -190,7 +194,23 @@ class LearnerSession:
     written: int = -1  # the highest phase number this process wrote a delta under
     placed: dict[int, int] = field(default_factory=dict)  # phase → the number its delta went under, once written
     placing: threading.Lock = field(default_factory=threading.Lock, repr=False)  # `placed`: uploads write, phases read
-    scratch: Path | None = None  # local folder for phase files (scratch_folder), made at the first phase
+    _scratch: OwnedFolder | None = (
+        None  # local folder for this process's files (scratch_folder), made when first needed
+    )
+    _scratch_made: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the follower asks too
+
+    @property
+    def scratch(self) -> Path:
+        with self._scratch_made:
+            if self._scratch is None:
+                self._scratch = scratch_folder(self.run, self.learner)
+            return self._scratch.path
+
+    def remove_scratch(self) -> None:
+        with self._scratch_made:
+            if self._scratch is not None:
+                self._scratch.remove()
+                self._scratch = None
 
     @property
     def global_store(self) -> ObjectStore:
@@ -260,7 +280,7 @@ class LearnerSession:
         # Spooled to local disk and read tensor by tensor: the state (twice the model) is
         # never in memory as bytes beside its tensors, and the tensors read become the
         # optimizer's own.
-        with tempfile.TemporaryDirectory(prefix=f"islands-restore-{self.learner}-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="restore-", dir=self.scratch) as tmp:
             spooled = spool(self.regional_store, key, Path(tmp) / "state")
             saved = TensorFile(spooled.path, spooled.body_sha256)
             if saved.metadata.get("phase") != str(number):
@@ -324,7 +344,7 @@ class LearnerSession:
         update's bytes and its decoded tensors, only θ_r is made; a second update adds in place."""
         params = held
         for manifest in manifests:
-            with tempfile.TemporaryDirectory(prefix=f"islands-update-{self.learner}-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="update-", dir=self.scratch) as tmp:
                 got = regional_spool(
                     self.regional_store, self.global_store, self.run, manifest.update, self.learner, Path(tmp) / "u"
                 )
@@ -341,7 +361,7 @@ class LearnerSession:
         """A checkpoint through the region's cache (each crosses regions once per region), spooled
         to local disk and read tensor by tensor: its bytes are never in memory beside its tensors
         (the follower fetches while the phase trains and the round before is still held)."""
-        with tempfile.TemporaryDirectory(prefix=f"islands-round-{self.learner}-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="round-", dir=self.scratch) as tmp:
             got = regional_spool(
                 self.regional_store, self.global_store, self.run, ref, self.learner, Path(tmp) / "object"
             )
@@ -505,8 +525,6 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         "finished_at": f"{time.time():.3f}",
         **session.io_totals(),
     }
-    if session.scratch is None:
-        session.scratch = scratch_folder(session.run, session.learner)
     folder = Path(tempfile.mkdtemp(prefix=f"phase-{phase:06d}-", dir=session.scratch))
     try:
         delta, residual, kept = encode_delta(session, result, meta, folder)
