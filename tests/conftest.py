@@ -56,6 +56,8 @@ def s3_bucket(s3_endpoint):
 
 
 STACK_REGIONS = ["north", "south"]
+# Token shards live outside the store's buckets: prepare refuses a destination inside any of them.
+CORPORA = "test-corpora"
 
 
 def run_args(run_id: str, regions: list[str], rounds: int) -> list[str]:
@@ -70,7 +72,7 @@ def islands_stack(tmp_path_factory):
     from islands.infra.stack import LocalStack
 
     home = tmp_path_factory.mktemp("islands-stack")
-    stack = LocalStack(home, embedded_buckets(STACK_REGIONS), keep=False)
+    stack = LocalStack(home, [*embedded_buckets(STACK_REGIONS), CORPORA], keep=False)
     with pytest.MonkeyPatch.context() as mp:
         # The learner runner (and each learner it starts) can import the tests' python: model factories.
         mp.setenv(

@@ -204,5 +204,5 @@ def test_a_watch_waits_for_the_run_and_ends_once_it_is_finished(monkeypatch):
 
 
 def test_a_watch_needs_seconds_between_looks(capsys):
-    assert cli.main(["status", "r", "--watch", "0"]) == commands.EXIT_CONFIG
+    assert cli.main(["status", "run-r", "--watch", "0"]) == commands.EXIT_CONFIG
     assert "--watch 0: give the seconds between two looks" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
-from conftest import STACK_REGIONS
+from conftest import CORPORA, STACK_REGIONS
 
 from islands.core.config import RunConfig
 from islands.core.data import TokenRangeError
@@ -25,7 +25,7 @@ from islands.storage.shards import Dataset, ShardEntry, TokenizerRef
 from islands.storage.store import Stores
 from islands.storage.text import stdlib_files
 
-DATASET = "s3://islands-global/datasets/stdlib-bytes"
+DATASET = f"s3://{CORPORA}/stdlib-bytes"
 
 
 def islands(env: dict, *args: str) -> subprocess.CompletedProcess:

@@ -105,7 +105,7 @@ def test_the_learner_deployment_trains_a_phase_as_a_two_process_torchrun_job(on_
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from islands.flows.cli import wait_for_learner_deployment
+    from islands.flows.bring_up import wait_for_learner_deployment
     from islands.flows.training_run import create_run
     from islands.storage.store import Stores
 

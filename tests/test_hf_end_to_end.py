@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import STACK_REGIONS
+from conftest import CORPORA, STACK_REGIONS
 from hf_models import train_bpe, write_llama
 from safetensors.torch import save_file
 
@@ -25,7 +25,7 @@ from islands.tasks.round_state import held_out_batches
 
 TESTS = Path(__file__).parent
 ROUNDS, BATCH, EVAL_BATCHES = 3, 4, 2
-DATASET = "s3://islands-global/datasets/stdlib-bpe"
+DATASET = f"s3://{CORPORA}/stdlib-bpe"
 
 # Run with -I -S and only site-packages on sys.path, without its .pth files: the editable
 # install's finder is not loaded, so nothing of the project can be imported.
@@ -139,7 +139,7 @@ def test_an_hf_model_trains_exports_and_loads_in_transformers_alone(env, data, t
     assert summary["eval_loss_final"] < summary["eval_loss_round0"]
     refused = islands(env, "export", "hf-llama", "s3://no-such-bucket/x", check=False)
     assert refused.returncode == 2 and refused.stderr.strip().startswith("islands: OUT: ")
-    islands(env, "export", "hf-llama", "s3://islands-global/exports/hf-llama")
+    islands(env, "export", "hf-llama", f"s3://{CORPORA}/exports/hf-llama")  # to S3, outside the store
     out = tmp_path / "export"
     done = islands(env, "export", "hf-llama", str(out))
     assert f"round {ROUNDS} of hf-llama" in done.stdout

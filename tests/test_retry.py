@@ -17,7 +17,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Scheduled
 
-from islands.flows.cli import wait_for_learner_deployment
+from islands.flows.bring_up import wait_for_learner_deployment
 from islands.infra.process import stop_group
 from islands.ops.audit import audit_run
 from islands.storage import layout
