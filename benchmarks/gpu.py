@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.llama import llama_config
 from benchmarks.report import Result, figure, print_report, timed
 from islands.core.compress import compress_with_feedback
 from islands.core.config import InnerSettings, MergeSettings
@@ -70,17 +71,10 @@ class SyntheticTokens:
 
 
 def llama(s: Sizes) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=s.vocab,
-        hidden_size=s.hidden,
-        intermediate_size=s.intermediate,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.heads,
-        max_position_embeddings=s.seq,
-        tie_word_embeddings=True,
+    config = llama_config(
+        s.hidden, s.layers, s.seq, heads=s.heads, intermediate=s.intermediate, vocab=s.vocab, tied=True
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)

@@ -17,6 +17,7 @@ import torch
 from benchmarks import bare, heldout, pipeline, quality
 from benchmarks.faults import CAP, specs
 from benchmarks.inprocess import sync_diloco_from_seed
+from benchmarks.llama import llama_config
 from benchmarks.report import Result, at_least, at_most, standalone
 from benchmarks.utilization import UTILIZATION_BAR, UTILIZATION_LIMIT, against_bare
 
@@ -27,23 +28,9 @@ def llama(quick: bool) -> str:
     """The model's folder (config.json only: built from the seed), as an absolute path every
     process of the run reads. Bytes are the corpus's tokens, so its vocabulary is 256; its
     context is the tiny preset's, and its width too at full size."""
-    from transformers import LlamaConfig
-
     width, layers = (64, 2) if quick else (128, 4)
     folder = (FOLDER.with_name(f"{FOLDER.name}-{'quick' if quick else 'full'}")).resolve()
-    LlamaConfig(
-        vocab_size=256,
-        hidden_size=width,
-        intermediate_size=3 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=heldout.context(),
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    ).save_pretrained(folder)
+    llama_config(width, layers, heldout.context(), heads=4, intermediate=3 * width, tied=True).save_pretrained(folder)
     return str(folder)
 
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.llama import llama_config
 from benchmarks.report import Result, Row, at_most, figure
 
 SIZES = {"10M": (384, 6), "100M": (768, 14), "180M": (1024, 14)}  # hidden size, layers
@@ -36,21 +37,7 @@ RUN = "learner-memory"
 
 def llama(folder: Path, hidden: int, layers: int, context: int = 32) -> Path:
     """A Llama config.json of `layers` blocks `hidden` wide over the 256 byte tokens."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        vocab_size=256,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        max_position_embeddings=context,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    ).save_pretrained(folder)
+    llama_config(hidden, layers, context).save_pretrained(folder)
     return folder
 
 
