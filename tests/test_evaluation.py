@@ -68,10 +68,13 @@ import sys
 import torch
 from islands.core.config import RunConfig
 from islands.tasks.evaluate import held_out_loss
-from islands.core.model import build_model, params_of
+from islands.core.model import assign_params, build_model, own_params, skeleton
 config = RunConfig(run_id="eval-imports", regions=["north", "south"], eval_batches=1, speed={})
-theta = params_of(build_model(config.model, 0))
-first, again = held_out_loss(config, theta), held_out_loss(config, theta)
+theta = own_params(build_model(config.model, 0))
+models = [skeleton(config.model, 0) for _ in range(2)]
+for model in models:
+    assign_params(model, theta)
+first, again = (held_out_loss(config, model) for model in models)
 assert first == again and 5.0 < first < 6.0, (first, again)
 assert "torch._dynamo" not in sys.modules
 """

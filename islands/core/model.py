@@ -349,8 +349,14 @@ def synced(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A model's synced weights as plain tensors of their own (`params_of(build_model(...))` is round 0)."""
+    """A model's synced weights as plain tensors of their own, unchanged by its training after."""
     return {k: v.detach().clone() for k, v in synced(model)}
+
+
+def own_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's synced weights as tensors sharing its memory: θ without a copy, for a model
+    nobody trains afterwards (`own_params(build_model(...))` is round 0, in 1× its bytes)."""
+    return {k: v.detach() for k, v in synced(model)}
 
 
 def _check_names(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:

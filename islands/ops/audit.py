@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from islands.core.compress import residual_state, split_residual
 from islands.core.config import MergeSettings
 from islands.core.merge import Candidate, apply_update, encode_update, merge_round, plan_merge
-from islands.core.model import build_model, params_of
+from islands.core.model import build_model, own_params
 from islands.core.validate import claimed_tokens
 from islands.ops.witness import Witness
 from islands.storage import layout
@@ -405,7 +405,7 @@ class _Audit:
     def replay_round(self, current: _Round, parent: _Round | None) -> None:
         r, m = current.round, current.manifest
         if r == 0:
-            initial = params_of(build_model(local_model(self.config.model), self.config.seed))
+            initial = own_params(build_model(local_model(self.config.model), self.config.seed))
             if self.same_bits(r, m.model, _as_published(current.model, initial)):
                 self.report.replayed += 1
             return

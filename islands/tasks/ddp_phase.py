@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from islands.core.config import RunConfig
 from islands.core.data import BatchSampler, Stream, assign
 from islands.core.inner import InnerTrainer, OutOfMemory, PhaseResult
-from islands.core.model import build_model, params_of, vocab_and_context
+from islands.core.model import build_model, own_params, vocab_and_context
 from islands.storage.corpus import training_part
 from islands.storage.model_files import local_model
 
@@ -176,7 +176,7 @@ def train_phase(args: argparse.Namespace, distributed: bool) -> None:
     if (args.dir / "base.safetensors").exists():
         base = load_file(args.dir / "base.safetensors")
     else:  # round 0, as the run's seed makes it
-        base = params_of(build_model(local_model(config.model), config.seed))
+        base = own_params(build_model(local_model(config.model), config.seed))
     result = trainer.run_phase(base, args.steps, slowdown=args.slowdown, min_step_s=args.min_step_s)
     delta, state = dict(result.delta), trainer.state_dict()  # every rank: FSDP2 gathers the shards
     if trainer.rank == 0:

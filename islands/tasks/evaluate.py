@@ -27,11 +27,8 @@ from islands.storage.store import ObjectStore
 from islands.tasks.round_state import held_out_batches
 
 
-def held_out_loss(config: RunConfig, params: dict[str, torch.Tensor]) -> float:
-    """Held-out loss of θ; the model is built without weights and takes θ's tensors as its own,
-    so θ is not copied."""
-    model = skeleton(local_model(config.model), config.seed)
-    assign_params(model, params)
+def held_out_loss(config: RunConfig, model: torch.nn.Module) -> float:
+    """Held-out loss of a model that holds θ."""
     vocab, context = vocab_and_context(model)
     batches = held_out_batches(
         config.corpus,
@@ -65,7 +62,11 @@ def evaluate_round(
     if written is not None:
         return written.eval_loss
     t0 = time.perf_counter()
-    loss = held_out_loss(config, params if params is not None else get_tensors(store, manifest.model))
+    # The model without weights first: the template it is copied from is built once, weights and
+    # all, and that should come and go before θ is in memory, not beside it.
+    model = skeleton(local_model(config.model), config.seed)
+    assign_params(model, params if params is not None else get_tensors(store, manifest.model))
+    loss = held_out_loss(config, model)
     loss = commit_evaluation(
         store,
         Evaluation(

@@ -18,7 +18,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from islands.core.config import RunConfig
-from islands.core.model import build_model, params_of
+from islands.core.model import build_model, own_params
 from islands.storage import layout
 from islands.storage.manifest import EncodedRef, Manifest, ObjectRef, Quorum, RoundSettings
 from islands.storage.model_files import local_model
@@ -64,10 +64,10 @@ def commit(store: ObjectStore, manifest: Manifest) -> Published:
 def publish_initial(config: RunConfig, run: str, stores: Stores) -> Published:
     """Round 0: the seeded initial model, its held-out loss (if the run evaluates round 0), no
     momentum yet."""
-    params = params_of(build_model(local_model(config.model), config.seed))
+    model = build_model(local_model(config.model), config.seed)
     store = round_store(config, stores)
-    ref = put_tensors(store, lambda sha: layout.model_key(run, 0, sha), params, checkpoint_metadata(run, 0))
-    loss = held_out_loss(config, params) if config.evaluates(0, 0) else None
+    ref = put_tensors(store, lambda sha: layout.model_key(run, 0, sha), own_params(model), checkpoint_metadata(run, 0))
+    loss = held_out_loss(config, model) if config.evaluates(0, 0) else None
     learners = [name for name, _, _ in config.learners()]
     manifest = Manifest(
         run=run,

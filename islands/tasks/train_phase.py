@@ -39,7 +39,7 @@ from prefect.cache_policies import NO_CACHE
 from islands.core.compress import RESIDUAL_PREFIX, compress_with_feedback, split_residual
 from islands.core.config import RunConfig
 from islands.core.inner import InnerTrainer, carried
-from islands.core.model import build_model, params_of
+from islands.core.model import build_model, own_params
 from islands.core.pace import phase_steps
 from islands.core.validate import short
 from islands.storage import layout
@@ -331,7 +331,7 @@ class LearnerSession:
     def seeded(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """Round 0 made from the run's seed, if it encodes to the very bytes its manifest names (a
         warm-started run's does not): a region downloads no model it can make itself."""
-        params = params_of(build_model(local_model(self.config.model), self.config.seed))
+        params = own_params(build_model(local_model(self.config.model), self.config.seed))
         encoded = encode_state_object(params, checkpoint_metadata(self.run, 0))  # hashed where it lies
         return params if encoded.sha256 == manifest.model.sha256 else None
 
