@@ -263,9 +263,6 @@ class InnerTrainer:
             if wait > 0:
                 self.sleep(wait)
         seconds = self.clock() - started
-        # The gradients are rebuilt by the next step: not held, a model's size, while the phase's
-        # delta and state are encoded and the next phase's base is made.
-        self.optimizer.zero_grad(set_to_none=True)
         delta = self.delta(base)
         return PhaseResult(
             delta=delta,
@@ -326,6 +323,10 @@ class InnerTrainer:
             if self.cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.cfg.grad_clip)
             self.optimizer.step()
+            # Gradients live through a step only: between steps (while the follower fetches a
+            # round, a rebase shifts the weights, a phase's delta is made) they are a model's size
+            # held for nothing.
+            self.optimizer.zero_grad(set_to_none=True)
         except torch.cuda.OutOfMemoryError:
             raise OutOfMemory(
                 f"inner.micro_batch_size: {self.micro_batch} sequences per forward/backward ran the {self.device} out "
