@@ -139,7 +139,9 @@ def test_carried_puts_a_learners_unmerged_progress_back_on_the_round():
     theta = {"w": torch.tensor([1.0, 2.0])}
     assert carried(theta, []) is theta
     deltas = [{"w": torch.tensor([0.5, 0.0])}, {"w": torch.tensor([0.25, -1.0])}]  # base − local
-    assert torch.equal(carried(theta, deltas)["w"], torch.tensor([0.25, 3.0]))
+    base = carried(theta, deltas)
+    assert torch.equal(base["w"], torch.tensor([0.25, 3.0])) and list(base) == ["w"]
+    assert base["w"] is not base["w"] and torch.equal(base["w"], base["w"])  # made at each look, the same bits
 
 
 def test_slowdown_sleeps_for_the_extra_time_of_each_step():

@@ -129,12 +129,28 @@ def lr_at(step: int, cfg: InnerSettings) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
-def carried(params: dict[str, torch.Tensor], deltas: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """θ with the progress of `deltas` (each base − local) applied: where a learner whose deltas θ
-    does not hold yet stands. θ itself when there are none."""
-    if not deltas:
-        return params
-    return {name: p - sum(d[name] for d in deltas) for name, p in params.items()}
+class Carried(Mapping[str, torch.Tensor]):
+    """θ with the progress of `deltas` (each base − local) applied, made a tensor at a time when
+    asked, to the same bits each time: where a learner whose deltas θ does not hold yet stands,
+    without a model's size of its own beside θ (the round the learner holds anyway)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], deltas: list[Mapping[str, torch.Tensor]]):
+        self.params, self.deltas = params, deltas
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.params[name] - sum(d[name] for d in self.deltas)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+def carried(params: Mapping[str, torch.Tensor], deltas: list[Mapping[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
+    """θ itself when there are no deltas, else θ with their progress applied (Carried). The
+    deltas and θ must not change while it is in use: it reads them again at every look."""
+    return Carried(params, deltas) if deltas else params
 
 
 @dataclass
@@ -214,13 +230,13 @@ class InnerTrainer:
 
     def run_phase(
         self,
-        base: dict[str, torch.Tensor],
+        base: Mapping[str, torch.Tensor],
         steps: int,
         slowdown: float = 1.0,
         min_step_s: float = 0.0,
         on_step: Callable[[int, float], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
-        rebase: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+        rebase: Callable[[], Mapping[str, torch.Tensor] | None] | None = None,
     ) -> PhaseResult:
         """Train `steps` inner steps from base and return base − local.
 
@@ -288,7 +304,7 @@ class InnerTrainer:
         """Where the learning-rate schedule stands: steps trained, moved by any catch-up."""
         return self.step + self.lr_offset
 
-    def begin(self, base: dict[str, torch.Tensor]) -> None:
+    def begin(self, base: Mapping[str, torch.Tensor]) -> None:
         """Load `base` as the local weights: a phase starts here."""
         if self.parallel == "fsdp":
             with torch.no_grad():
@@ -299,13 +315,13 @@ class InnerTrainer:
         self.model.train()
 
     @torch.no_grad()
-    def delta(self, base: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    def delta(self, base: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """base − local weights in float32 on the CPU: the phase's pseudo-gradient so far."""
         diffs = {name: base[name].to(p.device, torch.float32) - self._full(p).float() for name, p in self.named}
         return to_host(diffs, self.copy_stream, copy=False)
 
     @torch.no_grad()
-    def shift(self, base: dict[str, torch.Tensor], newer: dict[str, torch.Tensor]) -> None:
+    def shift(self, base: Mapping[str, torch.Tensor], newer: Mapping[str, torch.Tensor]) -> None:
         """Local weights += newer − base: the phase's progress so far, carried onto `newer`."""
         for name, p in self.named:
             p.add_(self._like(newer[name].float() - base[name].float(), p))

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,13 +110,15 @@ def scratch_folder(run: str, learner: str) -> OwnedFolder:
 
 class Spilled(Mapping):
     """A delta kept on local disk, one file per tensor, read back one tensor at a time: a carried
-    delta costs no memory between phases, and making the next phase's base from θ_r holds one of
-    its tensors at a time."""
+    delta costs no memory between phases, and a phase's base made from θ_r and it (Carried) holds
+    one of its tensors at a time. Its files go when the last reference to it does (a phase's base
+    may still read a delta the learner has stopped carrying)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         folder.mkdir()
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], Path]] = {}
+        weakref.finalize(self, shutil.rmtree, folder, True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         path = self.folder / str(len(self._entries))
@@ -136,14 +139,6 @@ class Spilled(Mapping):
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def forget(delta: Mapping[str, torch.Tensor]) -> None:
-    if isinstance(delta, Spilled):
-        delta.remove()
 
 
 @dataclass(frozen=True)
@@ -382,14 +377,11 @@ class LearnerSession:
             log.warning("%s learner %s: round %d from the checkpoint: %s", self.run, self.learner, round_, way.fallback)
         return published
 
-    def reference(self, held: Held) -> dict[str, torch.Tensor]:
+    def reference(self, held: Held) -> Mapping[str, torch.Tensor]:
         """The point this learner's steps count from on the held round: θ_r, or with `carry`, θ_r
         plus its own progress that round r has not merged yet (so its weights keep it). A phase
         counts as merged by the number its delta was written under; one not written yet is not."""
         with self.placing:
-            for q, d in self.unmerged.items():
-                if self.placed.get(q) in held[1].consumed:
-                    forget(d)
             self.unmerged = {q: d for q, d in self.unmerged.items() if self.placed.get(q) not in held[1].consumed}
             self.placed = {q: n for q, n in self.placed.items() if q in self.unmerged}
         return carried(held[1].params, list(self.unmerged.values()))
@@ -436,7 +428,7 @@ class LearnerSession:
         if not self.config.rebase:
             return None
 
-        def offer() -> dict[str, torch.Tensor] | None:
+        def offer() -> Mapping[str, torch.Tensor] | None:
             held = self.rounds.held()
             if moves[-1] < held[0] < self.config.rounds:
                 moves.append(held[0])
@@ -488,8 +480,8 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
     if cfg.lr_catch_up:
         session.trainer.catch_up(held[1].tokens_applied, cfg.num_learners)
     steps = phase_steps(cfg.inner_steps, session.rate, list(held[1].rates.values())) if cfg.paced else cfg.inner_steps
-    # The phase holds its base, not the round it was made from: with carried deltas in the base,
-    # that round (a model's size) goes as soon as the follower holds a newer one.
+    # The phase holds its base alone: the round held, or that round with the carried deltas read
+    # from local disk a tensor at a time (Carried), never a copy of a model's size beside it.
     base = [session.reference(held)]
     del held
     result = session.trainer.run_phase(
@@ -570,7 +562,7 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
         session.unmerged[phase] = kept
         if len(session.unmerged) > CARRY_LIMIT:  # no round for many phases: bound the disk, not the run
             oldest = min(session.unmerged)
-            forget(session.unmerged.pop(oldest))
+            del session.unmerged[oldest]
             log.warning(
                 "%s learner %s: %d phases without a round that merged them; phase %d no longer carried",
                 session.run,
@@ -578,7 +570,6 @@ def train_phase(session: LearnerSession, phase: int) -> dict:
                 CARRY_LIMIT + 1,
                 oldest,
             )
-    forget(session.residual)
     session.residual = residual
     session.next_phase = phase + 1
     log.info(
