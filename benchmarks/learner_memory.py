@@ -81,11 +81,13 @@ def learner(folder: Path) -> dict:
 
     import torch
 
+    from islands.infra.memory import return_freed_memory
     from islands.storage.store import Stores
     from islands.tasks import train_phase as module
     from islands.tasks.train_phase import LearnerSession, train_phase
 
     module.get_run_logger = lambda: logging.getLogger("learner-memory")
+    return_freed_memory()  # as the learner flow does at its start
     config = config_for(folder)
     stores = Stores(f"file://{folder}/store/{{bucket}}", config.regions)
     base = rss()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from islands.flows import commands
 from islands.flows.run_flags import add_run_flags
+from islands.infra.memory import return_freed_memory
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,6 +119,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    return_freed_memory()  # the synchronizer's merges and evaluations, the audit's replays
     try:
         return getattr(commands, f"cmd_{args.command}")(args)
     except KeyboardInterrupt:

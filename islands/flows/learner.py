@@ -20,6 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
 from islands.flows.credentials import storage_options
+from islands.infra.memory import return_freed_memory
 from islands.storage import lease
 from islands.storage.rounds import read_config
 from islands.storage.store import Stores
@@ -80,6 +81,7 @@ def learner(
             f"crash={crash!r} is not a learner crash point; use one of {', '.join(sorted(LEARNER_POINTS))}"
         )
     record_process()
+    return_freed_memory()
     options = storage_options(credentials) if credentials else {}
     global_only = Stores(store, [], options)
     config = read_config(global_only.global_, run_id)
