@@ -21,23 +21,31 @@ from islands.tasks.publish import publish_initial
 RUN = "export-run"
 
 
-def round0(tmp_path: Path, model: str, tokenizer: str | None = None) -> tuple[str, Stores]:
+def round0(
+    tmp_path: Path, model: str, tokenizer: str | None = None, corpus: str = "stdlib", run: str = RUN
+) -> tuple[str, Stores]:
     """A run with its config and round 0 in folders, as the driver writes them."""
     template = f"file://{tmp_path}/store/{{bucket}}"
     config = RunConfig(
-        run_id=RUN,
+        run_id=run,
         regions=["north"],
         speed={},
         model=model,
         tokenizer=tokenizer,
+        corpus=corpus,
         eval_every=0,
         store=template,
         quorum={"min_quorum": 1},
     )
-    stores = Stores(template, config.regions)
-    stores.global_.put_if_absent(layout.config_key(RUN), config.model_dump_json().encode())
-    publish_initial(config, RUN, stores)
-    return template, stores
+    return template, driver(config)
+
+
+def driver(config: RunConfig) -> Stores:
+    """What the driver writes first: the run's config and round 0."""
+    stores = Stores(config.store, config.regions)
+    stores.global_.put_if_absent(layout.config_key(config.run_id), config.model_dump_json().encode())
+    publish_initial(config, config.run_id, stores)
+    return stores
 
 
 def test_a_preset_round_is_written_as_safetensors_and_its_config(tmp_path):

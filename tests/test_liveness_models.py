@@ -20,10 +20,8 @@ from islands.core.config import RunConfig
 from islands.core.model import ModelError, build_model, check_model, params_of
 from islands.flows import commands
 from islands.flows.cli import main
-from islands.storage import layout
 from islands.storage.shards import MANIFEST, Shards
-from islands.storage.store import Stores
-from islands.tasks.publish import publish_initial
+from tests.test_export import driver, round0
 
 TESTS = Path(__file__).parent
 RUN = "models-run"
@@ -135,7 +133,7 @@ def test_a_tokenizer_folder_that_asks_for_its_own_code_is_refused_before_anythin
     elif command == "run":
         args = ["run", "--corpus", str(src), "--tokenizer", str(folder), "--store", f"file://{out}/{{bucket}}"]
     else:
-        template, _ = round0(tmp_path, "tiny", str(folder))
+        template, _ = round0(tmp_path, "tiny", str(folder), run=RUN)
         args = ["export", RUN, str(out), "--store", template]
     assert main(args) == 2
     field = "--tokenizer" if command == "prepare" else "tokenizer"
@@ -163,31 +161,6 @@ def test_pickles_beside_safetensors_are_left_alone_and_the_safetensors_loaded(tm
     check_model(str(folder))
     loaded = params_of(build_model(str(folder), 0))
     assert all(torch.equal(loaded[k], v) for k, v in params_of(trained).items())
-
-
-def round0(tmp_path: Path, model: str, tokenizer: str | None = None, corpus: str = "stdlib") -> tuple[str, Stores]:
-    """A run with its config and round 0 in folders, as the driver writes them."""
-    template = f"file://{tmp_path}/store/{{bucket}}"
-    config = RunConfig(
-        run_id=RUN,
-        regions=["north"],
-        speed={},
-        model=model,
-        tokenizer=tokenizer,
-        corpus=corpus,
-        eval_every=0,
-        store=template,
-        quorum={"min_quorum": 1},
-    )
-    return template, driver(config)
-
-
-def driver(config: RunConfig) -> Stores:
-    """What the driver writes first: the run's config and round 0."""
-    stores = Stores(config.store, config.regions)
-    stores.global_.put_if_absent(layout.config_key(config.run_id), config.model_dump_json().encode())
-    publish_initial(config, config.run_id, stores)
-    return stores
 
 
 @pytest.fixture
@@ -253,7 +226,7 @@ def test_a_named_tokenizer_other_than_the_shards_is_refused_before_anything_star
 def test_a_run_that_named_no_tokenizer_on_shards_exports_theirs(tmp_path, shards):
     """A run started without the CLI's checks (a deployment's) still exports the shards' tokenizer."""
     ds, doc, _ = shards
-    template, _ = round0(tmp_path, "tiny", corpus=str(ds))
+    template, _ = round0(tmp_path, "tiny", corpus=str(ds), run=RUN)
     assert main(["export", RUN, str(tmp_path / "out"), "--store", template]) == 0
     exported_encodes_as_the_shards(tmp_path / "out", ds, doc)
 
@@ -267,7 +240,7 @@ def test_a_byte_level_runs_export_loads_in_autotokenizer_as_the_bytes_it_trained
         bpe = train_bpe(tmp_path / "bpe.json", 250)
         PreTrainedTokenizerFast(tokenizer_file=str(bpe), eos_token="<|endoftext|>").save_pretrained(folder)
         model = str(folder)
-    template, _ = round0(tmp_path, model)
+    template, _ = round0(tmp_path, model, run=RUN)
     assert main(["export", RUN, str(tmp_path / "out"), "--store", template]) == 0
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     text = "def main():\n    return 'héllo ✓'\n\n\x00\x7f"
