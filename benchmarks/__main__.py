@@ -14,7 +14,8 @@ moto's own server against its S3 app served directly, `--only s3_endpoint`), `hf
 model at the quality and utilization bars, `--only hf`) and `gpu` (a GPU learner's tokens/s and
 MFU, and the merge of 1B-parameter deltas, `--only gpu`; benchmarks.gpu). The suite's
 `learner_memory` is a learner's peak memory over its model's bytes at 10M, 100M and 180M
-parameters (--quick: 2M), each in a process of its own.
+parameters (--quick: 2M), each in a process of its own; `large_run` is a real two-learner run of
+the 180M model, judged on its processes' peak memory and `islands audit --replay`.
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
@@ -42,6 +43,7 @@ from benchmarks import (
     faults,
     gpu,
     hf,
+    large_run,
     learner_memory,
     learner_start,
     pipeline,
@@ -72,10 +74,11 @@ BENCHMARKS = {
     "utilization": utilization.run,
     "dataplane": dataplane.run,
     "learner_memory": learner_memory.run,
+    "large_run": large_run.run,
     "hf": hf.run,
     "gpu": gpu.run,
 }
-SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane", "learner_memory")
+SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane", "learner_memory", "large_run")
 NO_STACK = {"learner_memory"}  # parts that run no stack of their own: they need no new one
 ORDER = [*SUITE, *(name for name in BENCHMARKS if name not in SUITE)]  # of the results file's sections
 PART_MINUTES, QUICK_MINUTES = 25, 3
