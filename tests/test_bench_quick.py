@@ -137,6 +137,8 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
         "new stack",
         "dataplane",
         "learner_memory",
+        "new stack",
+        "large_run",
     ]
     calls.clear()
     assert suite.main(["--quick", "--out", str(tmp_path), "--results", str(tmp_path)]) == 0
