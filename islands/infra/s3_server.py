@@ -73,17 +73,15 @@ def create_buckets(url: str, names: Iterable[str], locked: Iterable[str] = ()) -
 
 
 def usable(s3, bucket: str, timeout: float = 30.0) -> None:
-    """Wait until a bucket just created answers both ways a write looks it up: SeaweedFS's S3
-    gateway learns of a new bucket from its filer a moment later, and its bucket-config cache
-    (which a PutObject consults, as GetBucketVersioning does, while HeadBucket asks the filer)
-    may still say NoSuchBucket after HeadBucket answers (seen right after a restart)."""
+    """Wait until a bucket just created answers: SeaweedFS's S3 gateway learns of a new bucket
+    from its filer a moment later, and a write before then fails with NoSuchBucket (seen on a
+    loaded machine, right after the server restarted)."""
     from botocore.exceptions import ClientError
 
     deadline = time.monotonic() + timeout
     while True:
         try:
             s3.head_bucket(Bucket=bucket)
-            s3.get_bucket_versioning(Bucket=bucket)
             return
         except ClientError:
             if time.monotonic() > deadline:
