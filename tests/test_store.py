@@ -540,3 +540,16 @@ def test_spool_hashes_the_object_and_its_body_across_many_chunks(store, tmp_path
     assert got.bytes == len(data)
     assert got.sha256 == sha256_hex(data)
     assert got.body_sha256 == sha256_hex(data[8 + len(header) :])
+
+
+def test_a_store_made_after_the_endpoint_variable_changes_talks_to_the_new_endpoint(monkeypatch):
+    """fsspec hands out one file system per set of arguments: without the endpoint among them, a
+    store made after AWS_ENDPOINT_URL changed (a restarted stack, a test's own server) got the
+    old endpoint's file system, and its buckets answered NoSuchBucket."""
+    stores = {}
+    for url in ("http://127.0.0.1:1", "http://127.0.0.1:2"):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        stores[url] = ObjectStore("s3://islands-endpoint-test")
+    (a, first), (b, second) = stores.items()
+    assert first.fs is not second.fs
+    assert (first.fs.endpoint_url, second.fs.endpoint_url) == (a, b)

@@ -24,6 +24,7 @@ import atexit
 import base64
 import concurrent.futures
 import hashlib
+import os
 import random
 import time
 import weakref
@@ -78,6 +79,12 @@ class S3Store(ObjectStore):
     def __init__(self, url: str, storage_options: dict | None = None):
         super().__init__(url, storage_options)
         options = dict(self.storage_options)
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint and "endpoint_url" not in options and "endpoint_url" not in options.get("client_kwargs", {}):
+            # Named, so that it is part of fsspec's instance-cache key: a process whose endpoint
+            # variable changes (a restarted embedded stack, a second server) never gets a file
+            # system of the old endpoint back, whose buckets are not this one's (NoSuchBucket).
+            options["endpoint_url"] = endpoint
         config = dict(options.get("config_kwargs") or {})
         config["retries"] = {"mode": "standard", **(config.get("retries") or {})}
         self.fs, root = fsspec.core.url_to_fs(self.url, **{**options, "config_kwargs": config})
