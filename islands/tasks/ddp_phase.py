@@ -1,6 +1,6 @@
 """A learner's phase as one torch.distributed job across its node's GPUs (gpus_per_learner > 1):
 
-    python -m torch.distributed.run --standalone --nproc_per_node 8 -m tasks.ddp_phase \\
+    python -m torch.distributed.run --standalone --nproc_per_node 8 -m islands.tasks.ddp_phase \\
         --config run.json --learner us-east-0 --dir PHASE_DIR --steps 50
 
 (without base.safetensors in PHASE_DIR: from round 0, the run's seeded model)
