@@ -24,7 +24,7 @@ from islands.storage.rounds import checkpoint_metadata, get_tensors, put_tensors
 from islands.storage.spool import remove_dead, spool_prefix
 from islands.storage.store import Stores, sha256_hex
 from islands.tasks.collect import Arrival, inspect, inspect_all
-from islands.tasks.merge_step import Merged, apply_merge
+from islands.tasks.merge_step import Merged, all_finite, apply_merge
 from islands.tasks.publish import write_objects
 from islands.tasks.round_state import RoundState
 
@@ -104,6 +104,19 @@ def test_streaming_merge_gives_the_whole_dict_merges_bits(tmp_path):
         for a in arrivals:  # every merged tensor's spooled bytes were handed back as the merge went
             assert a.delta.released == set(a.delta.names), a.learner
         state.drop_spool()
+
+
+def test_all_finite_is_exact_where_a_sum_overflows_or_propagates():
+    big = torch.full((1000,), 3e38)  # finite values whose float32 sum is inf
+    assert all_finite(big) and all_finite(-big) and all_finite(torch.zeros(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(4096)
+        t[1234] = bad
+        assert not all_finite(t)
+        assert not all_finite(torch.cat([big, t]))
+    plus_minus = torch.randn(4096)
+    plus_minus[7], plus_minus[9] = float("inf"), float("-inf")  # a sum of nan
+    assert not all_finite(plus_minus)
 
 
 def test_checkpoints_written_from_files_are_the_canonical_bytes(tmp_path):

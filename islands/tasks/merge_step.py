@@ -109,7 +109,7 @@ def _merge_tensor(state, name, files, weights, weighted, by_id, rule, model, upd
         param = parent.clone()
         m = next(moms) if moms is not None else None
         param, m = merge_tensor_(param, m, (next(d) for d in deltas), weights, rule)
-        if not (torch.isfinite(param).all() and torch.isfinite(m).all()):
+        if not (all_finite(param) and all_finite(m)):
             pulls = [
                 w
                 * math.sqrt(
@@ -143,6 +143,13 @@ def _merge_tensor(state, name, files, weights, weighted, by_id, rule, model, upd
         raise ValueError(f"tensor {name!r} has no values to merge")
     for stream in (theta_part, new_momentum, *wire.values(), *([left] if left is not None else [])):
         stream.close()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite. A NaN or an infinity makes the sum non-finite, so a
+    finite sum settles it at a fourteenth of the cost of isfinite's mask (16 Mi values: 5 ms
+    against 75 ms); a sum that overflows from finite values is checked value by value."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def quarantined(a: Arrival, reason: str) -> Excluded:
