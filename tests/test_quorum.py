@@ -1,7 +1,7 @@
 import pytest
 
 from islands.core.config import QuorumSettings
-from islands.core.quorum import Decision, LearnerHistory, decide, grace_s
+from islands.core.quorum import Decision, LearnerHistory, decide, grace_s, quorum_arrivals
 from islands.storage.manifest import Contribution
 from islands.tasks.round_state import cycle, seen_lag
 
@@ -226,3 +226,11 @@ def test_a_round_with_no_learner_left_to_wait_for_closes_at_once():
     assert d.close and d.reason == "all-in"
     d = decide(policy, 1000.0, 1001.0, {"a-0": 1000.8}, ["a-0"], {})
     assert d.close and d.reason == "all-in"
+
+
+def test_only_deltas_from_the_parent_round_count_towards_the_quorum():
+    """Round 5 (parent 4): b's delta from round 3 merges but counts for nobody; a's two deltas from
+    round 4 count once, when the first was seen."""
+    found = quorum_arrivals([("a", 4, 1010.0), ("b", 3, 1001.0), ("a", 4, 1005.0), ("c", 4, 1020.0)], 4)
+    assert found == {"a": 1005.0, "c": 1020.0}
+    assert quorum_arrivals([("b", 3, 1001.0)], 4) == {}

@@ -81,8 +81,9 @@ def test_a_slow_region_trains_paced_phases_and_its_link_carries_what_its_deltas_
     up_gbps = 1e9 * wire_bits("int4") / 30 / 1e9  # a delta every 30 s
     down_gbps = 1e9 * 32 / 30 / 1e9  # an fp32 round every 30 s
     for mean, _ in d.links.values():
-        # Less the few rounds eu-west's first phase costs: H steps, its rate not known yet.
-        assert mean == pytest.approx(max(up_gbps, down_gbps), rel=0.04)
+        # Less the few rounds eu-west's first two phases cost: H steps each, its own rate not known
+        # before its first ends, and the others' not before it holds a round that records them.
+        assert mean == pytest.approx(max(up_gbps, down_gbps), rel=0.06)
     # Synchronous DiLoCo waits for the slow region: 2 × 1/3 of the 1 + 1/3 steps a second.
     assert result.sync_diloco.goodput == pytest.approx((2 / 3) / (1 + 1 / 3), rel=0.03)
 
@@ -166,19 +167,17 @@ def test_a_recorded_runs_timings_predict_its_rounds_closings_and_bytes():
     assert found["error"]["rounds"] == 0 and found["error"]["bytes"] < 1e-9
 
 
-def test_the_recorded_demo_run_calibrates_to_its_rounds_within_one():
+def test_the_recorded_demo_run_calibrates_to_its_rounds_closings_and_bytes():
     """benchmarks/simulate/recorded: the manifests and config of an 8-round `islands run` of the
-    demo (four regions on two shared cores). Its rounds come within one of the recorded for every
-    seed, closed by quorum+grace as they were; its bytes come short by the deltas its noisily
-    paced learners sent beyond steady pacing (docs/operations.md)."""
+    demo (four regions on two shared cores). Fed each learner's recorded phase times, the
+    policy's own decisions give its rounds and closings exactly and its bytes within 5%."""
     from pathlib import Path
 
     from islands.ops.calibrate import calibration
 
     store = Path(__file__).resolve().parent.parent / "benchmarks" / "simulate" / "recorded"
-    found = [calibration("sim-record", f"file://{store}/{{bucket}}", seed) for seed in range(5)]
-    assert all(f["recorded"]["rounds"] == 8 and f["recorded"]["closings"] == {"quorum+grace": 8} for f in found)
-    assert all(abs(f["predicted"]["rounds"] - 8) <= 1 for f in found)
-    assert sum(f["predicted"]["rounds"] for f in found) / len(found) == pytest.approx(8, rel=0.1)
-    assert all(f["predicted"]["closings"].get("quorum+grace", 0) >= f["predicted"]["rounds"] - 1 for f in found)
-    assert all(0.15 < f["error"]["bytes"] < 0.4 for f in found)
+    found = calibration("sim-record", f"file://{store}/{{bucket}}")
+    assert found["recorded"]["rounds"] == 8 and found["recorded"]["closings"] == {"quorum+grace": 8}
+    assert found["error"]["rounds"] <= 0.1
+    assert all(off <= 0.1 for off in found["error"]["closings"].values())
+    assert found["error"]["bytes"] <= 0.05

@@ -8,6 +8,7 @@ a slow or dead one never stalls the rest (Decoupled DiLoCo, arXiv 2604.21428).
 """
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from islands.core.config import QuorumSettings
@@ -57,6 +58,18 @@ class Decision:
     reason: str | None  # "all-in" | "quorum+grace" | "timeout"
     recheck_at: float | None  # clock time at which the answer can next change without a new arrival
     waiting_for: tuple[str, ...]
+
+
+def quorum_arrivals(arrivals: Iterable[tuple[str, int, float]], parent_round: int) -> dict[str, float]:
+    """The learners whose deltas count towards a round's quorum, each with when its first was
+    seen, from (learner, base round, seen at) of every delta in: only a delta trained from the
+    parent round counts. Staler ones still merge (discounted) and move their learner's expected
+    next arrival on, but a round closed on them alone would wait for nobody fresh."""
+    fresh: dict[str, float] = {}
+    for learner, base_round, seen_at in arrivals:
+        if base_round == parent_round:
+            fresh[learner] = min(fresh.get(learner, seen_at), seen_at)
+    return fresh
 
 
 def decide(

@@ -13,9 +13,11 @@ The model, and what it leaves out (docs/operations.md, "Will it pay off for my r
   hour: any chip failing stops its replica, which restarts `recover_s` later from the newest
   round and loses the phase in progress. A region outage stops every learner of the region and
   its link for its duration.
-- A phase is `phase_steps(H, …)` steps of `step_s` (H for a learner's first, its rate not known
-  yet; × `straggler_factor` for the fraction of phases that straggle, × a draw of spread
-  `phase_cv`); the learner starts its next phase at once and folds in every round
+- A phase is `phase_steps(H, …)` steps of `step_s` (× `straggler_factor` for the fraction of
+  phases that straggle, × a draw of spread `phase_cv`), paced as a learner paces: on its own
+  rate as its last phase measured it (H for its first, its rate not known yet) against each
+  learner's rate in its newest merged delta, as the newest round it sees records them, so a
+  phase that ran slow shortens the next one; the learner starts its next phase at once and folds in every round
   that becomes visible meanwhile (it rebases), so a delta's base is the newest round visible when
   its last step begins. Its delta leaves in `fragments` equal pieces spread over the phase, each
   through its region's link (a FIFO queue at `link_gbps`, `latency_s` on top, a storage stall of
@@ -46,6 +48,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -64,7 +67,7 @@ from islands.core.config import (
 )
 from islands.core.merge import Candidate, plan_merge
 from islands.core.pace import phase_steps
-from islands.core.quorum import LearnerHistory, decide
+from islands.core.quorum import LearnerHistory, decide, quorum_arrivals
 
 YEAR_H = 24 * 365.0
 
@@ -85,6 +88,16 @@ class Region(_Section):
     link_gbps: float = Field(10.0, gt=0, le=1e6, description="The region's link to the synchronizer, Gbit/s.")
     latency_s: float = Field(0.05, ge=0, le=600, description="One-way latency of that link, seconds.")
     start_s: float = Field(0.0, ge=0, le=DAY_S, description="Seconds into the run its learners start training.")
+    phase_step_s: list[list[Annotated[float, Field(gt=0, le=3600)]]] = Field(
+        [],
+        description="Seconds per step of each phase, by phase, one list per learner of the region (a recorded run's, as calibration sets them): each phase takes its own instead of step_s and the phase_cv draw, a phase past the list the list's median.",
+    )
+
+    @model_validator(mode="after")
+    def _one_trace_per_learner(self) -> Region:
+        if len(self.phase_step_s) > self.learners or any(not t for t in self.phase_step_s):
+            raise ValueError(f"phase_step_s: at most {self.learners} lists (one per learner), none of them empty")
+        return self
 
 
 class RunSim(_Section):
@@ -98,6 +111,12 @@ class RunSim(_Section):
     codec: Codec = Field("int4", description="The deltas' codec.")
     update_codec: Codec = Field("fp32", description="The rounds' codec, as learners download them.")
     publish_s: float = Field(5.0, ge=0, le=DAY_S, description="A round's merge and publication, seconds.")
+    between_rounds_s: float = Field(
+        0.0,
+        ge=0,
+        le=DAY_S,
+        description="From a round's publication to the next round collecting, seconds (its held-out evaluation, the next round's start); deltas that land meanwhile wait for it.",
+    )
     phase_cv: float = Field(
         0.0, ge=0, le=10, description="Spread of a phase's time: its standard deviation over its mean (0: none)."
     )
@@ -390,8 +409,10 @@ class _Learner:
     index: int
     region: str
     step_s: float
-    rate: float  # tokens per second, as pace.py compares learners
+    rate: float  # tokens per second at its region's step time, never failing or straggling
     phase: int = 0
+    measured: float | None = None  # tokens per second of its last phase, as it paces the next
+    trace: list[float] = field(default_factory=list)  # seconds per step of each phase, recorded
 
 
 @dataclass(frozen=True)
@@ -435,11 +456,13 @@ class Decoupled:
         for r in cfg.regions:
             for k in range(r.learners):
                 rate = cfg.run.tokens_per_step / r.step_s
-                self.learners.append(_Learner(f"{r.name}-{k}", len(self.learners), r.name, r.step_s, rate))
+                trace = r.phase_step_s[k] if k < len(r.phase_step_s) else []
+                self.learners.append(_Learner(f"{r.name}-{k}", len(self.learners), r.name, r.step_s, rate, trace=trace))
         self.names = [L.name for L in self.learners]
         self.by_region = {r.name: [L for L in self.learners if L.region == r.name] for r in cfg.regions}
         self.policy = cfg.quorum
-        self.rates = [L.rate for L in self.learners]
+        # The rates round r records (each learner's newest merged delta's), as learners pace on them.
+        self.round_rates: list[dict[str, float]] = [{}]
         self.delta_bits = (
             cfg.run.params * wire_bits(cfg.run.codec) if cfg.run.delta_bytes is None else 8 * cfg.run.delta_bytes
         )
@@ -449,11 +472,11 @@ class Decoupled:
         self.records: list[RoundRecord] = []
         self.history = {n: LearnerHistory([], None) for n in self.names}
         self.recent: dict[str, list[tuple[int, float, float, float]]] = {n: [] for n in self.names}
-        self.arrived: dict[str, float] = {}
+        self.arrived: dict[str, float] = {}  # learners counting towards the quorum (quorum_arrivals)
+        self.seen: set[tuple[str, int]] = set()  # (learner, phase) of every delta in this round
         self.pending: list[_Arrival] = []  # sorted by arrival
         self.collecting_since = 0.0
         self.cursor = 0.0  # the synchronizer has decided up to here
-        self.steps: dict[float, int] = {}  # a learner's rate → its phase's steps
         self.closings: dict[str, int] = {}
         self.busy_s = 0.0
         self.merged_tokens = 0
@@ -502,20 +525,22 @@ class Decoupled:
         down = self.timeline.failure_in(L.index, t, t)
         if down is not None:
             return down[1]
-        if L.rate not in self.steps:
-            self.steps[L.rate] = phase_steps(run.inner_steps, L.rate, self.rates) if run.paced else run.inner_steps
-        # A learner's own rate is known from its first delta on: its first phase is H steps.
-        steps = self.steps[L.rate] if L.phase > 0 else run.inner_steps
+        held = self.round_rates[self.newest(L.region, t)]
+        steps = phase_steps(run.inner_steps, L.measured, list(held.values())) if run.paced else run.inner_steps
         slow = faults.straggler_factor if self.rng.random() < faults.straggler_fraction else 1.0
-        if run.phase_cv:
-            slow *= max(0.1, self.rng.gauss(1.0, run.phase_cv))
-        step_s = L.step_s * slow
+        if L.trace:
+            step_s = slow * (L.trace[L.phase] if L.phase < len(L.trace) else statistics.median(L.trace))
+        else:
+            if run.phase_cv:
+                slow *= max(0.1, self.rng.gauss(1.0, run.phase_cv))
+            step_s = L.step_s * slow
         end = t + steps * step_s
         failure = self.timeline.failure_in(L.index, t, end)
         if failure is not None:  # the phase in progress is lost; back once recovered
             self.busy_s += max(0.0, min(failure[0], self.horizon) - t)
             return failure[1]
         self.busy_s += min(end, self.horizon) - t
+        L.measured = steps * run.tokens_per_step / (end - t)
         link = self.links[L.region]
         arrive = end
         pieces = run.fragments
@@ -537,11 +562,14 @@ class Decoupled:
             for a in self.pending:
                 if a.at > now:
                     break
-                if a.learner not in self.arrived:
-                    self.arrived[a.learner] = a.at
+                if (a.learner, a.phase) not in self.seen:
+                    self.seen.add((a.learner, a.phase))
                     self.history[a.learner] = self.history[a.learner].seen(a.finished_at, a.seconds)
+                    base = self.newest(a.region, a.rebased_at)
+                    for learner, at in quorum_arrivals([(a.learner, base, a.at)], len(self.records)).items():
+                        self.arrived.setdefault(learner, at)
             d = decide(self.policy, self.collecting_since, now, self.arrived, names, self.history)
-            if d.close and d.reason == "timeout" and not self.arrived:
+            if d.close and d.reason == "timeout" and not self.seen:
                 self.closings["timeout-empty"] = self.closings.get("timeout-empty", 0) + 1
                 self.collecting_since = now  # nothing to merge: collecting starts over
             elif d.close:
@@ -584,18 +612,22 @@ class Decoupled:
         )
         self.closings[reason] = self.closings.get(reason, 0) + 1
         by = {(a.learner, a.phase): a for a in take}
+        rates = dict(self.round_rates[-1])
         for w in weighted:
             a = by[(w.candidate.learner, w.candidate.phase)]
+            rates[a.learner] = a.tokens / a.seconds
             self.recent[a.learner] = [*self.recent[a.learner], (a.phase, a.finished_at, a.seconds, a.at)][-HISTORY:]
-        for name in {*self.arrived, *(w.candidate.learner for w in weighted)}:
+        for name in {*(learner for learner, _ in self.seen), *(w.candidate.learner for w in weighted)}:
             recent = self.recent[name]
             self.history[name] = history_of(recent) if recent else LearnerHistory([], None)
         self.arrived.clear()
+        self.seen.clear()
+        self.round_rates.append(rates)
         published = now + self.cfg.run.publish_s
         for g, members in self.by_region.items():
             seen = [self.links[g].send("down", published, self.update_bits) for _ in members]
             self.visible[g].append(max(seen, default=published))
-        self.collecting_since = published
+        self.collecting_since = published + self.cfg.run.between_rounds_s
 
 
 # -- synchronous DiLoCo and data-parallel, in lockstep -------------------------------------------
@@ -765,6 +797,7 @@ class RecordedRound:
     closed_by: str
     deltas: tuple[RecordedDelta, ...]
     after_close_s: float | None = None  # from the quorum's close to the manifest: load, merge, publish
+    waited_s: float | None = None  # from the round's start collecting to its quorum's close
 
 
 def calibrated(
@@ -813,9 +846,15 @@ def calibrated(
     publish = [r.after_close_s for r in rounds if r.after_close_s is not None] or [
         r.closed_at - max(d.seen_at for d in r.deltas) for r in rounds if r.closed_by == "all-in" and r.deltas
     ]
+    between = [
+        b.closed_at - b.after_close_s - b.waited_s - a.closed_at
+        for a, b in zip(rounds, rounds[1:])
+        if b.after_close_s is not None and b.waited_s is not None
+    ]
     regions = []
     for region in dict.fromkeys(learners.values()):
         count = sum(1 for g in learners.values() if g == region)
+        traces = [trace_of(by_learner[n], tokens_per_step) for n in sorted(learners) if learners[n] == region]
         regions.append(
             {
                 "name": region,
@@ -826,6 +865,7 @@ def calibrated(
                 "link_gbps": 1e5,  # the measured lag carries the transfer
                 "latency_s": statistics.median(lags.get(region, [0.0])),
                 "start_s": statistics.median(starts.get(region, [0.0])),
+                "phase_step_s": [t for t in traces if t],
             }
         )
     wall = max(r.closed_at for r in rounds) - t0
@@ -839,6 +879,7 @@ def calibrated(
                 "paced": paced,
                 "phase_cv": min(10.0, statistics.median(spreads)) if spreads else 0.0,
                 "publish_s": max(0.0, statistics.median(publish)) if publish else 0.0,
+                "between_rounds_s": max(0.0, statistics.median(between)) if between else 0.0,
                 "delta_bytes": statistics.fmean(d.bytes for d in deltas),
                 "hours": (wall + 1e-3) / 3600,
             },
@@ -846,6 +887,17 @@ def calibrated(
             "merge": merge.model_dump(),
         }
     )
+
+
+def trace_of(deltas: list[RecordedDelta], tokens_per_step: int) -> list[float]:
+    """A learner's seconds per step in each of its phases, by phase number, from its merged
+    deltas (each phase's seconds over its steps); a phase it did not get merged (lost, dropped or
+    past the record) takes the median of those it did."""
+    own = {d.phase: d.seconds * tokens_per_step / d.tokens for d in deltas if d.tokens > 0 and d.seconds > 0}
+    if not own:
+        return []
+    typical = statistics.median(own.values())
+    return [own.get(phase, typical) for phase in range(max(own) + 1)]
 
 
 def compare(rounds: list[RecordedRound], cfg: SimConfig, result: Result) -> dict:

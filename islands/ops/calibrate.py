@@ -30,6 +30,7 @@ def recorded_rounds(chain: list[Manifest]) -> list[RecordedRound]:
                 for c in m.contributions
             ),
             sum(m.timings.get(k, 0.0) for k in ("load_s", "merge_s", "publish_s")) if m.timings else None,
+            m.quorum.waited_s,
         )
         for m in chain
         if m.round >= 1

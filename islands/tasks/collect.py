@@ -27,7 +27,7 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from islands.core.quorum import Decision, decide
+from islands.core.quorum import Decision, decide, quorum_arrivals
 from islands.core.validate import (
     Expected,
     Invalid,
@@ -349,13 +349,9 @@ def collect(state: RoundState) -> Collected:
         look()
         looks += 1
         arrivals = [a for a in seen.values() if isinstance(a, Arrival)]
-        # Only deltas from the parent round count towards the quorum; staler ones still merge,
-        # and move their learner's expected next arrival on.
-        fresh: dict[str, float] = {}
+        fresh = quorum_arrivals(((a.learner, a.base_round, a.seen_at) for a in arrivals), state.round - 1)
         current = dict(history)
         for a in sorted(arrivals, key=lambda a: a.finished_at):
-            if a.base_round == state.round - 1:
-                fresh[a.learner] = min(fresh.get(a.learner, a.seen_at), a.seen_at)
             if a.learner in current:
                 current[a.learner] = current[a.learner].seen(a.finished_at, a.seconds)
         alive = [name for name in learners if name not in known_down(fresh)]
