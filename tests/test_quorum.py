@@ -1,9 +1,8 @@
 import pytest
 
 from islands.core.config import QuorumSettings
-from islands.core.quorum import Decision, LearnerHistory, decide, grace_s, quorum_arrivals
+from islands.core.quorum import Decision, LearnerHistory, cycle, decide, grace_s, quorum_arrivals, seen_lag
 from islands.storage.manifest import Contribution
-from islands.tasks.round_state import cycle, seen_lag
 
 POLICY = QuorumSettings(min_quorum=2, max_quorum=4, grace_max_s=30.0, round_timeout_s=300.0, grace_fraction=None)
 LEARNERS = ["a", "b", "c", "d"]

@@ -8,8 +8,9 @@ a slow or dead one never stalls the rest (Decoupled DiLoCo, arXiv 2604.21428).
 """
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from islands.core.config import QuorumSettings
 
@@ -50,6 +51,48 @@ class LearnerHistory:
         if not self.phase_seconds:
             return None
         return self.last_arrival + sum(self.phase_seconds) / len(self.phase_seconds)
+
+
+HISTORY = 5  # a learner's newest merged deltas its history counts
+
+
+class MergedDelta(Protocol):
+    """What a learner's history reads of one of its merged deltas (a manifest's contribution)."""
+
+    phase: int
+    finished_at: float  # the learner's clock
+    seconds: float  # its phase
+    seen_at: float  # the synchronizer's clock when it first listed it
+
+
+def cycle(recent: Sequence[MergedDelta]) -> float | None:
+    """A learner's time from one delta to the next, from its finish times (its own clock, so
+    how late the synchronizer happened to look does not enter): the median per phase, so a
+    skipped phase does not count double; None under two deltas."""
+    per_phase = [
+        (b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(recent, recent[1:]) if b.phase > a.phase
+    ]
+    return statistics.median(per_phase) if per_phase else None
+
+
+def seen_lag(recent: Sequence[MergedDelta]) -> float:
+    """From a learner's finish time to the synchronizer seeing its delta, at best: the upload and
+    the clocks' offset, without the wait for the next look (0 before the learner's first delta)."""
+    return min((c.seen_at - c.finished_at for c in recent), default=0.0)
+
+
+def history_of(merged: Iterable[MergedDelta]) -> LearnerHistory:
+    """A learner's history at a round's start, from its merged deltas: the newest HISTORY of them
+    by phase give its recent phase times, its last arrival (on the synchronizer's clock), the time
+    between its deltas and its lag."""
+    recent = sorted(merged, key=lambda c: c.phase)[-HISTORY:]
+    lag = seen_lag(recent)
+    return LearnerHistory(
+        phase_seconds=[c.seconds for c in recent],
+        last_arrival=recent[-1].finished_at + lag if recent else None,
+        cycle_s=cycle(recent),
+        lag_s=lag,
+    )
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ from islands.core.config import (
 )
 from islands.core.merge import Candidate, plan_merge
 from islands.core.pace import phase_steps
-from islands.core.quorum import LearnerHistory, decide, quorum_arrivals
+from islands.core.quorum import HISTORY, LearnerHistory, decide, history_of, quorum_arrivals
 
 YEAR_H = 24 * 365.0
 
@@ -417,7 +417,7 @@ class _Learner:
 
 @dataclass(frozen=True)
 class _Arrival:
-    at: float
+    at: float  # when the synchronizer can see it: its `seen_at` once merged (quorum.MergedDelta)
     learner: str
     region: str
     phase: int
@@ -426,22 +426,9 @@ class _Arrival:
     seconds: float
     finished_at: float
 
-
-HISTORY = 5  # merged deltas a learner's history counts, as the synchronizer's (islands.tasks.round_state)
-
-
-def history_of(recent: list[tuple[int, float, float, float]]) -> LearnerHistory:
-    """A learner's history from its newest merged deltas, (phase, finished_at, seconds, seen_at)
-    each, as the synchronizer builds it at a round's start: the recent phase times, the time from
-    one delta to the next (median per phase, from finish times) and its lag, finish to seen."""
-    lag = min(seen - done for _, done, _, seen in recent)
-    gaps = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(recent, recent[1:]) if b[0] > a[0]]
-    return LearnerHistory(
-        phase_seconds=[x[2] for x in recent],
-        last_arrival=recent[-1][1] + lag,
-        cycle_s=statistics.median(gaps) if gaps else None,
-        lag_s=lag,
-    )
+    @property
+    def seen_at(self) -> float:
+        return self.at
 
 
 class Decoupled:
@@ -471,7 +458,7 @@ class Decoupled:
         self.visible: dict[str, list[float]] = {r.name: [0.0] for r in cfg.regions}
         self.records: list[RoundRecord] = []
         self.history = {n: LearnerHistory([], None) for n in self.names}
-        self.recent: dict[str, list[tuple[int, float, float, float]]] = {n: [] for n in self.names}
+        self.recent: dict[str, list[_Arrival]] = {n: [] for n in self.names}  # merged, newest last
         self.arrived: dict[str, float] = {}  # learners counting towards the quorum (quorum_arrivals)
         self.seen: set[tuple[str, int]] = set()  # (learner, phase) of every delta in this round
         self.pending: list[_Arrival] = []  # sorted by arrival
@@ -616,10 +603,9 @@ class Decoupled:
         for w in weighted:
             a = by[(w.candidate.learner, w.candidate.phase)]
             rates[a.learner] = a.tokens / a.seconds
-            self.recent[a.learner] = [*self.recent[a.learner], (a.phase, a.finished_at, a.seconds, a.at)][-HISTORY:]
+            self.recent[a.learner] = [*self.recent[a.learner], a][-HISTORY:]
         for name in {*(learner for learner, _ in self.seen), *(w.candidate.learner for w in weighted)}:
-            recent = self.recent[name]
-            self.history[name] = history_of(recent) if recent else LearnerHistory([], None)
+            self.history[name] = history_of(self.recent[name])
         self.arrived.clear()
         self.seen.clear()
         self.round_rates.append(rates)

@@ -8,7 +8,6 @@ second synchronizer or a retried flow run reaches the same view.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,15 +20,14 @@ import torch
 from islands.core.compress import RESIDUAL_PREFIX
 from islands.core.config import RunConfig
 from islands.core.data import Stream, eval_batches
-from islands.core.quorum import LearnerHistory
+from islands.core.quorum import HISTORY, LearnerHistory, history_of
 from islands.storage.corpus import held_out_part
-from islands.storage.manifest import Contribution, Manifest
+from islands.storage.manifest import Manifest
 from islands.storage.model_files import step_tokens
 from islands.storage.rounds import SpooledTensors, chunks_of, numel_of, read_chain, spool_tensors
 from islands.storage.spool import OwnedFolder, remove_dead, spool_prefix
 from islands.storage.store import Stores
 
-HISTORY = 5
 _CHAINS: dict[tuple[str, str], list[tuple[Manifest, str]]] = {}  # checked chains this process has read
 _READS = count()  # parent files get names of their own: a reload spools them afresh beside the old
 
@@ -149,17 +147,7 @@ class RoundState:
         for manifest, _ in self.chain:
             for c in manifest.contributions:
                 merged[c.learner].append(c)
-        out = {}
-        for learner, _, _ in self.config.learners():
-            recent = sorted(merged.get(learner, []), key=lambda c: c.phase)[-HISTORY:]
-            lag = seen_lag(recent)
-            out[learner] = LearnerHistory(
-                phase_seconds=[c.seconds for c in recent],
-                last_arrival=recent[-1].finished_at + lag if recent else None,
-                cycle_s=cycle(recent),
-                lag_s=lag,
-            )
-        return out
+        return {learner: history_of(merged.get(learner, [])) for learner, _, _ in self.config.learners()}
 
     def recent_norms(self) -> list[float]:
         """Norms of the deltas merged in the last HISTORY rounds (merge.norm_limit compares with them)."""
@@ -189,19 +177,3 @@ class RoundState:
     def max_delta_bytes(self) -> int:
         """Largest acceptable delta object: the model in fp32 plus a generous header."""
         return sum(numel_of(self.model, name) * 4 for name in self.model) + 1_000_000
-
-
-def cycle(recent: list[Contribution]) -> float | None:
-    """A learner's time from one delta to the next, from its finish times (its own clock, so
-    how late the synchronizer happened to look does not enter): the median per phase, so a
-    skipped phase does not count double; None under two deltas."""
-    per_phase = [
-        (b.finished_at - a.finished_at) / (b.phase - a.phase) for a, b in zip(recent, recent[1:]) if b.phase > a.phase
-    ]
-    return statistics.median(per_phase) if per_phase else None
-
-
-def seen_lag(recent: list[Contribution]) -> float:
-    """From a learner's finish time to the synchronizer seeing its delta, at best: the upload and
-    the clocks' offset, without the wait for the next look (0 before the learner's first delta)."""
-    return min((c.seen_at - c.finished_at for c in recent), default=0.0)
