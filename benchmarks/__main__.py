@@ -15,7 +15,9 @@ model at the quality and utilization bars, `--only hf`) and `gpu` (a GPU learner
 MFU, and the merge of 1B-parameter deltas, `--only gpu`; benchmarks.gpu). The suite's
 `learner_memory` is a learner's peak memory over its model's bytes at 10M, 100M and 180M
 parameters (--quick: 2M), each in a process of its own; `large_run` is a real two-learner run of
-the 180M model, judged on its processes' peak memory and `islands audit --replay`.
+the 180M model, judged on its processes' peak memory and `islands audit --replay`; `simulation`
+is `islands simulate` on the paper's configs beside its figures, and on a recorded run beside
+what it recorded (seconds: nothing is trained).
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
 fails outright gets a row saying so, and the suite goes on with the others (exit status 1).
 Each part's report is written to `--out` (default `.islands/bench/`) the moment it finishes, so
@@ -53,6 +55,7 @@ from benchmarks import (
     s3_endpoint,
     scaling,
     schedule,
+    simulation,
     utilization,
     wire,
 )
@@ -75,11 +78,22 @@ BENCHMARKS = {
     "dataplane": dataplane.run,
     "learner_memory": learner_memory.run,
     "large_run": large_run.run,
+    "simulation": simulation.run,
     "hf": hf.run,
     "gpu": gpu.run,
 }
-SUITE = ("quality", "wire", "quality_robust", "faults", "utilization", "dataplane", "learner_memory", "large_run")
-NO_STACK = {"learner_memory"}  # parts that run no stack of their own: they need no new one
+SUITE = (
+    "quality",
+    "wire",
+    "quality_robust",
+    "faults",
+    "utilization",
+    "dataplane",
+    "learner_memory",
+    "large_run",
+    "simulation",
+)
+NO_STACK = {"learner_memory", "simulation"}  # parts that run no stack of their own: they need no new one
 ORDER = [*SUITE, *(name for name in BENCHMARKS if name not in SUITE)]  # of the results file's sections
 PART_MINUTES, QUICK_MINUTES = 25, 3
 

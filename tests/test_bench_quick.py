@@ -39,8 +39,9 @@ def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
     lines = proc.stdout.splitlines()
     start = lines.index("| benchmark | our figure | the bar | holds |")
     rows = [line for line in lines[start + 2 :] if line.startswith("|")]
-    # throughput and memory at K=2 and K=4, SeaweedFS against moto at each, the suite's own time
-    assert len(rows) == 7
+    # throughput and memory at K=2 and K=4, SeaweedFS against moto at each, the merge's memory at
+    # two sizes and their ratio, the suite's own time
+    assert len(rows) == 10
     assert rows[-1].startswith("| time: --quick suite, minutes |")
     for row in rows:
         _, name, ours, bar, holds, _ = (c.strip() for c in row.split("|"))
@@ -139,6 +140,7 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
         "learner_memory",
         "new stack",
         "large_run",
+        "simulation",
     ]
     calls.clear()
     assert suite.main(["--quick", "--out", str(tmp_path), "--results", str(tmp_path)]) == 0
