@@ -22,16 +22,19 @@ The model, and what it leaves out (docs/operations.md, "Will it pay off for my r
   its last step begins. Its delta leaves in `fragments` equal pieces spread over the phase, each
   through its region's link (a FIFO queue at `link_gbps`, `latency_s` on top, a storage stall of
   `stall_s` for the fraction `stall_fraction` of uploads); it arrives with its last piece.
-- A round closes as `decide` says; its merge and publication take `publish_s`; each learner of a
-  region then downloads the round's update (update codec) through the same link, and sees the
-  round once it has. A timeout with nothing arrived closes no round: collecting starts over.
+- A round closes as `decide` says, counting towards the quorum only the deltas from its parent
+  round (`quorum_arrivals`); its merge and publication take `publish_s`, and the next round
+  starts collecting `between_rounds_s` later; each learner of a region downloads the round's
+  update (update codec) through the same link, and sees the round once it has. A timeout with
+  nothing arrived closes no round: collecting starts over.
 - Synchronous DiLoCo and data-parallel run in lockstep under the same failures: every learner
   trains H steps (data-parallel: H steps with a ring all-reduce of the gradient each step, hidden
   behind `backward_share` of a step), the slowest sets the pace, and any failure or outage stops
   all of them until the failed learner is back (`recover_s`); synchronous DiLoCo then redoes the
   round in progress, data-parallel everything since its last checkpoint (`checkpoint_s`).
-- `calibrated` builds a simulation of a recorded run from its own timings (islands.ops.calibrate
-  reads them from its manifests) and `compare` sets its rounds, closings and bytes beside them.
+- `calibrated` builds a simulation of a recorded run from its own timings, each learner's phase
+  times among them (`phase_step_s`; islands.ops.calibrate reads them from its manifests), and
+  `compare` sets its rounds, closings and bytes beside them.
 - Goodput is tokens merged (lockstep: tokens of completed rounds or steps kept) over the tokens
   every learner would train at its own speed, never failing and never waiting, in the same wall
   time. Bandwidth is what a region's link carries in its busier direction (a ring all-reduce
@@ -794,11 +797,13 @@ def calibrated(
     merge: MergeSettings,
     paced: bool = True,
 ) -> SimConfig:
-    """A simulation of a recorded run from its own timings: each region's step time from its
-    learners' time between deltas (the median per phase) over the steps a delta covers, when its
-    learners started (their first phase), how much a phase's time varies, the link's latency from finish to seen, a round's publication from its last delta seen to its
-    manifest (rounds that closed all-in), a delta's measured bytes, and the wall time from the
-    learners' first phase to the last round. `learners`: learner → region; `rounds` from 1 on."""
+    """A simulation of a recorded run from its own timings: each learner's seconds per step in
+    each phase (`trace_of`), each region's step time from its learners' time between deltas (the
+    median per phase) over the steps a delta covers, when its learners started (their first
+    phase), how much a phase's time varies, the link's latency from finish to seen, a round's
+    publication from its quorum's close to its manifest, the time from a manifest to the next
+    round collecting, a delta's measured bytes, and the wall time from the learners' first phase
+    to the last round. `learners`: learner → region; `rounds` from 1 on."""
     deltas = [d for r in rounds for d in r.deltas]
     if not deltas:
         raise ValueError("the recorded run merged no delta: nothing to calibrate on")
