@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from islands.core.config import ConfigError
-from islands.core.simulate import SimConfig, load_sim_config, simulate, wire_bits
+from islands.core.simulate import Region, SimConfig, load_sim_config, simulate, wire_bits
 
 
 def config(regions=(("us-east", 2, 1.0), ("eu-west", 2, 1.0)), **sections) -> SimConfig:
@@ -181,3 +181,15 @@ def test_the_recorded_demo_run_calibrates_to_its_rounds_closings_and_bytes():
     assert found["error"]["rounds"] <= 0.1
     assert all(off <= 0.1 for off in found["error"]["closings"].values())
     assert found["error"]["bytes"] <= 0.05
+
+
+def test_a_learner_with_recorded_phase_times_takes_each_phase_its_own_time():
+    """Phases of 10 steps at 1 s, then 2 s, then the median (1.5 s) a step: deltas at 10, 30, 45,
+    60, 75 and 90 s of 100, a round each; at its region's 1 s a step, at 10, 20, … 90 s: nine."""
+    plain = config(regions=(("us-east", 1, 1.0),), run={"hours": 100 / 3600, "paced": False})
+    region = plain.regions[0].model_dump()
+    traced = plain.model_copy(update={"regions": [Region.model_validate(region | {"phase_step_s": [[1.0, 2.0]]})]})
+    assert simulate(traced).decoupled.rounds == 6
+    assert simulate(plain).decoupled.rounds == 9
+    with pytest.raises(ValueError, match="phase_step_s: at most 1 lists"):
+        Region.model_validate(region | {"phase_step_s": [[1.0], [2.0]]})
