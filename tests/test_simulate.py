@@ -167,17 +167,18 @@ def test_a_recorded_runs_timings_predict_its_rounds_closings_and_bytes():
     assert found["error"]["rounds"] == 0 and found["error"]["bytes"] < 1e-9
 
 
-def test_the_recorded_demo_run_calibrates_to_its_rounds_closings_and_bytes():
-    """benchmarks/simulate/recorded: the manifests and config of an 8-round `islands run` of the
+@pytest.mark.parametrize("run_id", ["sim-record", "run-96f8bc"])
+def test_a_recorded_demo_run_calibrates_to_its_rounds_closings_and_bytes(run_id):
+    """benchmarks/simulate/recorded: the manifests and config of two 8-round `islands run`s of the
     demo (four regions on two shared cores). Fed each learner's recorded phase times, the
-    policy's own decisions give its rounds and closings exactly and its bytes within 5%."""
+    policy's own decisions give their rounds and closings within 10% and their bytes within 5%."""
     from pathlib import Path
 
     from islands.ops.calibrate import calibration
 
     store = Path(__file__).resolve().parent.parent / "benchmarks" / "simulate" / "recorded"
-    found = calibration("sim-record", f"file://{store}/{{bucket}}")
-    assert found["recorded"]["rounds"] == 8 and found["recorded"]["closings"] == {"quorum+grace": 8}
+    found = calibration(run_id, f"file://{store}/{{bucket}}")
+    assert found["recorded"]["rounds"] == 8
     assert found["error"]["rounds"] <= 0.1
     assert all(off <= 0.1 for off in found["error"]["closings"].values())
     assert found["error"]["bytes"] <= 0.05

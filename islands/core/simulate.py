@@ -882,9 +882,16 @@ def calibrated(
 
 def trace_of(deltas: list[RecordedDelta], tokens_per_step: int) -> list[float]:
     """A learner's seconds per step in each of its phases, by phase number, from its merged
-    deltas (each phase's seconds over its steps); a phase it did not get merged (lost, dropped or
-    past the record) takes the median of those it did."""
-    own = {d.phase: d.seconds * tokens_per_step / d.tokens for d in deltas if d.tokens > 0 and d.seconds > 0}
+    deltas: from the previous phase's finish to this one's (what the learner does between
+    phases included) where both are recorded, else the phase's own seconds, over its steps; a
+    phase it did not get merged (lost, dropped or past the record) takes the median of the rest."""
+    by_phase = {d.phase: d for d in deltas if d.tokens > 0 and d.seconds > 0}
+    own = {
+        phase: ((d.finished_at - by_phase[phase - 1].finished_at) if phase - 1 in by_phase else d.seconds)
+        * tokens_per_step
+        / d.tokens
+        for phase, d in by_phase.items()
+    }
     if not own:
         return []
     typical = statistics.median(own.values())
