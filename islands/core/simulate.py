@@ -69,7 +69,7 @@ from islands.core.config import (
     read_toml,
 )
 from islands.core.merge import Candidate, plan_merge
-from islands.core.pace import phase_steps
+from islands.core.pace import credible, phase_steps
 from islands.core.quorum import HISTORY, LearnerHistory, decide, history_of, quorum_arrivals
 
 YEAR_H = 24 * 365.0
@@ -451,8 +451,10 @@ class Decoupled:
         self.names = [L.name for L in self.learners]
         self.by_region = {r.name: [L for L in self.learners if L.region == r.name] for r in cfg.regions}
         self.policy = cfg.quorum
-        # The rates round r records (each learner's newest merged delta's), as learners pace on them.
-        self.round_rates: list[dict[str, float]] = [{}]
+        # Each learner's newest merged rate, and what round r's rates come to for pacing: their
+        # fastest credible one (pace.credible), one number a round however many learners there are.
+        self.rates: dict[str, float] = {}
+        self.pace_rate: list[float | None] = [None]
         self.delta_bits = (
             cfg.run.params * wire_bits(cfg.run.codec) if cfg.run.delta_bytes is None else 8 * cfg.run.delta_bytes
         )
@@ -515,8 +517,9 @@ class Decoupled:
         down = self.timeline.failure_in(L.index, t, t)
         if down is not None:
             return down[1]
-        held = self.round_rates[self.newest(L.region, t)]
-        steps = phase_steps(run.inner_steps, L.measured, list(held.values())) if run.paced else run.inner_steps
+        fastest = self.pace_rate[self.newest(L.region, t)]
+        rates = [] if fastest is None else [fastest]
+        steps = phase_steps(run.inner_steps, L.measured, rates) if run.paced else run.inner_steps
         slow = faults.straggler_factor if self.rng.random() < faults.straggler_fraction else 1.0
         if L.trace:
             step_s = slow * (L.trace[L.phase] if L.phase < len(L.trace) else statistics.median(L.trace))
@@ -602,16 +605,15 @@ class Decoupled:
         )
         self.closings[reason] = self.closings.get(reason, 0) + 1
         by = {(a.learner, a.phase): a for a in take}
-        rates = dict(self.round_rates[-1])
         for w in weighted:
             a = by[(w.candidate.learner, w.candidate.phase)]
-            rates[a.learner] = a.tokens / a.seconds
+            self.rates[a.learner] = a.tokens / a.seconds
             self.recent[a.learner] = [*self.recent[a.learner], a][-HISTORY:]
         for name in {*(learner for learner, _ in self.seen), *(w.candidate.learner for w in weighted)}:
             self.history[name] = history_of(self.recent[name])
         self.arrived.clear()
         self.seen.clear()
-        self.round_rates.append(rates)
+        self.pace_rate.append(max(credible(list(self.rates.values())), default=None))
         published = now + self.cfg.run.publish_s
         for g, members in self.by_region.items():
             seen = [self.links[g].send("down", published, self.update_bits) for _ in members]
