@@ -147,8 +147,8 @@ def _merge_tensor(state, name, files, weights, weighted, by_id, rule, model, upd
 
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every value of `t` is finite. A NaN or an infinity makes the sum non-finite, so a
-    finite sum settles it at a fourteenth of the cost of isfinite's mask (16 Mi values: 5 ms
-    against 75 ms); a sum that overflows from finite values is checked value by value."""
+    finite sum settles it without building isfinite's mask of the chunk (a fraction of its
+    time); a sum that overflows from finite values is checked value by value."""
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
