@@ -40,7 +40,7 @@ class _Parent:
         return set()
 
 
-@pytest.mark.parametrize("update_codec", CODECS)
+@pytest.mark.parametrize("update_codec", [c for c in CODECS if c != "topk"])  # topk: tests/test_sparse.py
 @pytest.mark.parametrize("first_round", [False, True])
 def test_the_merge_by_chunks_gives_the_whole_tensor_merges_bits(tmp_path, monkeypatch, update_codec, first_round):
     """θ_{r−1} and the outer state (momentum and a residual) spooled from the store, four deltas

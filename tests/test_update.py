@@ -11,6 +11,7 @@ import torch
 
 from islands.core.codecs import CODECS
 from islands.core.compress import residual_state, split_residual
+from islands.core.config import TopkSettings
 from islands.core.merge import apply_update, encode_update, outer_step
 from islands.storage import layout
 from islands.storage.cache import regional_get
@@ -21,6 +22,7 @@ from islands.storage.store import ObjectStore, sha256_hex
 
 RUN = "run-down"
 ROUNDS = 6
+TOPK = TopkSettings(chunk=64, k=8, beta=1.0)  # plain error feedback: the residual keeps all it dropped
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -40,7 +42,7 @@ def synchronizer_round(params, momentum, residual, r, codec):
     for name, p in params.items():
         prev = momentum[name] if momentum else None
         target[name], new_momentum[name] = outer_step(p, prev, merged_delta(r)[name], lr=0.5, mu=0.9)
-    wire, new_params, new_residual = encode_update(params, target, residual, codec)
+    wire, new_params, new_residual = encode_update(params, target, residual, codec, TOPK)
     return encode_wire(wire, checkpoint_metadata(RUN, r), codec), new_params, new_momentum, new_residual
 
 

@@ -19,7 +19,8 @@ The wire form is a flat dict of tensors that safetensors can store: `<name>.z` (
 deflated) or `<name>.q` (as packed), `<name>.scale` and `<name>.shape`; storage.codec writes and
 reads it. A reader inflates no more bytes than the shape calls for, so a hostile stream cannot
 blow up in memory. Pure torch: no storage, no Prefect, so the learner, the synchronizer and the
-tests share one definition.
+tests share one definition. The `topk` codec's own form is islands.core.sparse's; the functions
+here take it too, given the run's `[topk]` settings where they encode.
 """
 
 from __future__ import annotations
@@ -30,7 +31,18 @@ import zlib
 import torch
 from torch.nn import functional as F
 
-from islands.core.codecs import CODECS, INTEGER_CODECS, Codec, FloatCodec, IntegerCodec, bits_of
+from islands.core import sparse
+from islands.core.codecs import (
+    CODECS,
+    INTEGER_CODECS,
+    SPARSE_CODECS,
+    Codec,
+    FloatCodec,
+    IntegerCodec,
+    bits_of,
+    check_shape,
+)
+from islands.core.config import TopkSettings
 
 BLOCK = 128  # values per scale
 SCALE_DTYPE = torch.bfloat16
@@ -41,7 +53,6 @@ PARTS = (*INTEGER_PARTS, ".scale", ".shape")
 DEFLATE_LEVEL = 1
 RESIDUAL_PREFIX = "codec.residual."
 TERNARY_THRESHOLD = 0.7  # × a block's mean magnitude: int2 sends the values above it
-_MAX_DIMS = 8
 
 
 def levels(bits: int) -> int:
@@ -133,11 +144,6 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.
     return (ints.to(torch.float32).view(-1, BLOCK) * scale.float()[:, None]).reshape(-1)
 
 
-def check_shape(shape: list[int]) -> None:
-    if len(shape) > _MAX_DIMS or any(d < 0 for d in shape):
-        raise ValueError(f"shape {shape} is not a tensor shape")
-
-
 def integer_bytes(numel: int, bits: int) -> int:
     """Bytes of the packed integers of `numel` values in blocks of BLOCK."""
     return -(-numel // BLOCK) * BLOCK * bits // 8
@@ -191,15 +197,34 @@ def check_parts(q: torch.Tensor, scale: torch.Tensor, shape: list[int], bits: in
         )
 
 
-def to_wire(tensors: dict[str, torch.Tensor], codec: Codec) -> dict[str, torch.Tensor]:
-    """The tensors a delta object stores for `codec`; non-float tensors travel unchanged."""
-    return deflated_wire(quantized_wire(tensors, codec), codec)
+def to_wire(
+    tensors: dict[str, torch.Tensor], codec: Codec, topk: TopkSettings | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors a delta object stores for `codec` (`topk`: the run's settings for it); non-float
+    tensors travel unchanged."""
+    return deflated_wire(quantized_wire(tensors, codec, topk), codec)
 
 
-def quantized_wire(tensors: dict[str, torch.Tensor], codec: Codec) -> dict[str, torch.Tensor]:
+def needed(topk: TopkSettings | None) -> TopkSettings:
+    """The run's `[topk]` settings, which the `topk` codec encodes with: refused when missing, so
+    no caller encodes with other settings than its run's unnoticed."""
+    if topk is None:
+        raise ValueError("the topk codec encodes with the run's [topk] settings, and none were given")
+    return topk
+
+
+def feedback_decay(codec: str, topk: TopkSettings | None) -> float:
+    """β: what of the residual an encoding carries (`topk.beta` for the sparse codec, else all of it)."""
+    return needed(topk).beta if codec in SPARSE_CODECS else 1.0
+
+
+def quantized_wire(
+    tensors: dict[str, torch.Tensor], codec: Codec, topk: TopkSettings | None = None
+) -> dict[str, torch.Tensor]:
     """`to_wire` with the integers packed, not yet deflated (`packed_wire`'s form)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    layout = sparse.Layout.of(needed(topk)) if codec in SPARSE_CODECS else None
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         t = t.detach().to("cpu")
@@ -208,10 +233,14 @@ def quantized_wire(tensors: dict[str, torch.Tensor], codec: Codec) -> dict[str, 
         elif codec in FLOAT_WIRE:
             out[name] = t.to(FLOAT_WIRE[codec]).contiguous()
         else:
-            if name.endswith(PARTS):
+            reserved = sparse.PARTS if layout is not None else PARTS
+            if name.endswith(reserved):
                 raise ValueError(
-                    f"tensor name {name!r} ends with a suffix the {codec} codec reserves ({', '.join(PARTS)})"
+                    f"tensor name {name!r} ends with a suffix the {codec} codec reserves ({', '.join(reserved)})"
                 )
+            if layout is not None:
+                out.update((name + suffix, part) for suffix, part in sparse.encode(t, layout).items())
+                continue
             out[name + ".q"], out[name + ".scale"] = quantize(t, BITS[codec])
             out[name + ".shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
     return out
@@ -239,6 +268,8 @@ def wire_plan(wire_floats: dict[str, bool], codec: str) -> dict[str, tuple[str, 
         raise ValueError(f"unknown codec {codec!r} in the metadata; this reader knows {', '.join(CODECS)}")
     if codec in FLOAT_WIRE:
         return {name: (name,) for name in wire_floats}
+    if codec in SPARSE_CODECS:
+        return sparse_plan(wire_floats)
     plan: dict[str, tuple[str, ...]] = {}
     bases = {k[: -len(p)] for k in wire_floats for p in INTEGER_PARTS if k.endswith(p)}
     for name, is_float in wire_floats.items():
@@ -260,16 +291,51 @@ def wire_plan(wire_floats: dict[str, bool], codec: str) -> dict[str, tuple[str, 
     return plan
 
 
+def sparse_plan(wire_floats: dict[str, bool]) -> dict[str, tuple[str, ...]]:
+    """`wire_plan` for the `topk` codec: each tensor's five parts (sparse.PARTS), all there, and
+    no float outside them."""
+    plan: dict[str, tuple[str, ...]] = {}
+    bases = {k[: -len(".topk")] for k in wire_floats if k.endswith(".topk")}
+    for name, is_float in wire_floats.items():
+        base = next((name[: -len(p)] for p in sparse.PARTS if name.endswith(p)), None)
+        if base is None:
+            if is_float:
+                raise ValueError(f"tensor {name!r}: a float tensor outside the topk wire form")
+            plan[name] = (name,)
+        elif base not in bases:
+            raise ValueError(f"tensor {name!r}: no {base}.topk to go with it")
+    for base in sorted(bases):
+        missing = [base + p for p in sparse.PARTS if base + p not in wire_floats]
+        if missing:
+            raise ValueError(f"tensor {base!r}: missing {', '.join(missing)}")
+        plan[base] = tuple(base + p for p in sparse.PARTS)
+    return plan
+
+
 def decode_one(
-    name: str, parts: dict[str, torch.Tensor], codec: str, shape_wanted: tuple[int, ...] | None = None
+    name: str,
+    parts: dict[str, torch.Tensor],
+    codec: str,
+    shape_wanted: tuple[int, ...] | None = None,
+    topk_wanted: TopkSettings | None = None,
 ) -> torch.Tensor:
     """One tensor back from its wire parts (by wire name, in `wire_plan`'s order): float32 when it
     is a float. With `shape_wanted`, coded integers declaring another shape are refused before
     they are inflated: deflate can make a small object declare a large tensor, and a reader of
-    untrusted deltas knows what size each must be."""
+    untrusted deltas knows what size each must be. With `topk_wanted`, a `topk` tensor coded with
+    other settings is refused too."""
     if len(parts) == 1:
         (t,) = parts.values()
         return t.float() if t.is_floating_point() else t
+    if codec in SPARSE_CODECS:
+        by_suffix = dict(zip(sparse.PARTS, parts.values()))
+        try:
+            dims = by_suffix[".shape"].tolist() if by_suffix[".shape"].dtype == torch.int64 else None
+            if shape_wanted is not None and (dims is None or tuple(dims) != tuple(shape_wanted)):
+                raise ValueError(f"wrong shape: {dims} instead of {tuple(shape_wanted)}")
+            return sparse.decode(by_suffix, None if topk_wanted is None else sparse.Layout.of(topk_wanted))
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from exc
     (integers, q), (_, scale), (_, shape) = parts.items()
     if shape.dtype != torch.int64 or shape.dim() != 1:
         raise ValueError(f"tensor {name!r}: .shape must be a 1-D int64 tensor")
@@ -307,18 +373,21 @@ def packed_wire(wire: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Te
 
 
 def compress_with_feedback(
-    delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: Codec
+    delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: Codec, topk: TopkSettings | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(wire tensors of delta + residual, what a receiver decodes from them, the new residual).
+    """(wire tensors of delta + β·residual, what a receiver decodes from them, the new residual).
 
-    The new residual is (delta + old residual) − what the receiver will decode, so nothing the
+    The new residual is (delta + β·old residual) − what the receiver will decode, so nothing the
     quantizer drops is lost: it rides along with the next delta. A lossless codec keeps none.
+    β is 1 but for `topk`, whose residual holds most of each delta and decays by `topk.beta`
+    (SparseLoCo's error feedback: what waits too long fades rather than grows).
     The decoded tensors are `from_wire(wire)` bit for bit, taken from the packed integers before
     they are deflated, so a sender that needs them (the synchronizer rebuilding θ_r) does not
     inflate what it has just deflated.
     """
-    target = {n: (t + residual[n] if n in residual else t).float() for n, t in delta.items()}
-    packed = quantized_wire(target, codec)
+    beta = feedback_decay(codec, topk)
+    target = {n: (t.add(residual[n], alpha=beta) if n in residual else t).float() for n, t in delta.items()}
+    packed = quantized_wire(target, codec, topk)
     decoded = from_wire(packed, codec)  # from the packed integers: nothing to inflate
     if codec == "fp32":
         return packed, decoded, {}

@@ -120,6 +120,41 @@ class SynchronizerSettings(_Section):
     )
 
 
+MAX_TOPK_CHUNK = 2**18  # one MB of float32 values: every synchronizer.chunk_mb is whole top-k chunks
+
+
+class TopkSettings(_Section):
+    """The `topk` codec's settings (SparseLoCo, arXiv 2508.15706): of each chunk of a tensor's
+    values, the k largest in magnitude travel, with their positions; what is left waits in the
+    sender's error-feedback residual. One section for deltas and updates alike."""
+
+    chunk: int = Field(
+        4096,
+        ge=2,
+        le=MAX_TOPK_CHUNK,
+        description=f"Values per chunk: a power of two, at most {MAX_TOPK_CHUNK} so the synchronizer's merge chunks (synchronizer.chunk_mb) are whole chunks.",
+    )
+    k: int = Field(64, ge=1, description="Values sent of each chunk, the largest in magnitude (at most chunk).")
+    value_bits: Literal[2, 4, 8] = Field(
+        2,
+        description="Bits of each value sent: its sign and a magnitude on a grid of the chunk's largest (one scale per chunk).",
+    )
+    beta: float = Field(
+        0.95,
+        gt=0,
+        le=1,
+        description="Error-feedback decay, each learner's and the synchronizer's: an encoding sends from the new values plus beta × what earlier ones left (1: plain error feedback).",
+    )
+
+    @model_validator(mode="after")
+    def _chunk(self) -> TopkSettings:
+        if self.chunk & (self.chunk - 1):
+            raise ValueError(f"chunk: {self.chunk} is not a power of two; use one, e.g. 4096")
+        if self.k > self.chunk:
+            raise ValueError(f"k: {self.k} is more than the chunk's {self.chunk} values")
+        return self
+
+
 class QuorumSettings(_Section):
     """When an outer round stops collecting."""
 
@@ -210,7 +245,7 @@ class RunConfig(BaseModel):
     )
     codec: Codec = Field(
         "fp32",
-        description=f"Wire format of deltas: {', '.join(FLOAT_CODECS)}, or {'/'.join(INTEGER_CODECS)} with one scale per 128 values.",
+        description=f"Wire format of deltas: {', '.join(FLOAT_CODECS)}, {'/'.join(INTEGER_CODECS)} with one scale per 128 values, or topk (the [topk] section).",
     )
     update_codec: Codec = Field(
         "bf16",
@@ -275,6 +310,7 @@ class RunConfig(BaseModel):
     merge: MergeSettings = MergeSettings()
     quorum: QuorumSettings = QuorumSettings()
     synchronizer: SynchronizerSettings = SynchronizerSettings()
+    topk: TopkSettings = TopkSettings()
 
     @field_validator("run_id")
     @classmethod
@@ -481,7 +517,7 @@ def _kind(annotation) -> str:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return " or ".join(_kind(a) for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(annotation) is Literal:
-        return ", ".join(f'"{a}"' for a in typing.get_args(annotation))
+        return ", ".join(f'"{a}"' if isinstance(a, str) else str(a) for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is list:
         return f"list of {_kind(typing.get_args(annotation)[0])}"
     if typing.get_origin(annotation) is dict:

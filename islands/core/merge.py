@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from islands.core.compress import compress_with_feedback, from_wire, quantized_wire
-from islands.core.config import MergeSettings
+from islands.core.compress import compress_with_feedback, feedback_decay, from_wire, quantized_wire
+from islands.core.config import MergeSettings, TopkSettings
 
 RESIDUAL_DTYPE = torch.bfloat16  # the synchronizer's error-feedback residual
 
@@ -177,44 +177,61 @@ def apply_update(params: dict[str, torch.Tensor], update: dict[str, torch.Tensor
 
 
 def encode_update(
-    params: dict[str, torch.Tensor], target: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], codec: str
+    params: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    residual: dict[str, torch.Tensor],
+    codec: str,
+    topk: TopkSettings | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the update's wire tensors, θ_r as readers rebuild it, the new residual) for a step from
-    `params` towards `target` (merge_round's θ), carrying the previous round's `residual`."""
+    `params` towards `target` (merge_round's θ), carrying the previous round's `residual`
+    (`topk`: the run's settings, for that codec)."""
     wire, rebuilt, new_residual = {}, {}, {}
     for name, param in params.items():
-        parts, rebuilt[name], left = encode_update_tensor(name, param, target[name], residual, codec)
+        parts, rebuilt[name], left = encode_update_tensor(name, param, target[name], residual, codec, topk)
         wire.update(parts)
         new_residual.update(left)
     return wire, rebuilt, new_residual
 
 
 def encode_update_tensor(
-    name: str, param: torch.Tensor, target: torch.Tensor, residual: dict[str, torch.Tensor], codec: str
+    name: str,
+    param: torch.Tensor,
+    target: torch.Tensor,
+    residual: dict[str, torch.Tensor],
+    codec: str,
+    topk: TopkSettings | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
     """One tensor of `encode_update` (the synchronizer's merge calls it tensor by tensor): its wire
     entries, its θ_r as `apply_update` rebuilds it, its part of the new residual."""
     carried = {name: residual[name]} if name in residual else {}
-    wire, decoded, left = compress_with_feedback({name: target - param}, carried, codec)
+    wire, decoded, left = compress_with_feedback({name: target - param}, carried, codec, topk)
     # Kept in bf16: half the synchronizer's memory for it, and its own rounding (2^-9 of what the
     # codec dropped) is negligible next to what it corrects.
     return wire, param.add(decoded[name]), {n: t.to(RESIDUAL_DTYPE) for n, t in left.items()}
 
 
 def encode_update_chunk_(
-    name: str, param: torch.Tensor, target: torch.Tensor, residual: torch.Tensor | None, codec: str
+    name: str,
+    param: torch.Tensor,
+    target: torch.Tensor,
+    residual: torch.Tensor | None,
+    codec: str,
+    topk: TopkSettings | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """`encode_update_tensor` for a run of whole BLOCKs of one flattened tensor (the synchronizer's
     streaming merge), `param` turned into its θ_r in place (as `apply_update` rebuilds it) and
     `target` used up: its wire entries with the integers packed, not yet deflated (the caller
     deflates the tensor's as one stream), θ_r (`param`), its part of the new residual (None for
     fp32). Every step is value by value or block by block, and in place only where the values
-    are the same, so the chunks put end to end are `encode_update_tensor`'s bits."""
+    are the same, so the chunks put end to end are `encode_update_tensor`'s bits. With `topk`
+    the run must be whole chunks of `topk.chunk` values (the tensor's last run may end shorter):
+    each chunk is chosen from on its own, so that too is value by value."""
     sent = target.sub_(param)
     if residual is not None:
-        sent.add_(residual)
+        sent.add_(residual, alpha=feedback_decay(codec, topk))
     sent = sent.float()
-    packed = quantized_wire({name: sent}, codec)
+    packed = quantized_wire({name: sent}, codec, topk)
     decoded = from_wire(packed, codec)[name]  # from the packed integers: nothing to inflate
     left = None if codec == "fp32" else sent.sub_(decoded).to(RESIDUAL_DTYPE)
     return packed, param.add_(decoded), left

@@ -1,7 +1,7 @@
 """Tensors on the wire: safetensors with string metadata, never pickle.
 
 Codecs: those islands.core.codecs names, floats or integers with per-block scales (islands.core.compress
-gives each its wire form).
+gives each its wire form), or a chunk's largest values and their positions (islands.core.sparse).
 Whatever the codec, `decode` returns float32 tensors under the original names, so validation
 and the merge never see the codec.
 
@@ -31,12 +31,11 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from islands.core import compress
-from islands.core.codecs import CODECS, Codec
+from islands.core import compress, sparse
+from islands.core.codecs import CODECS, SPARSE_CODECS, Codec, check_shape
 from islands.core.compress import (
     BITS,
     BLOCK,
-    check_shape,
     decode_one,
     dequantize_blocks,
     from_wire,
@@ -45,6 +44,7 @@ from islands.core.compress import (
     to_wire,
     wire_plan,
 )
+from islands.core.config import TopkSettings
 from islands.storage.encoded import EncodedObject, Piece, hash_pieces, piece_size
 from islands.storage.spool import punch_holes
 
@@ -70,9 +70,12 @@ class CodecError(ValueError):
     """The bytes are not a well-formed safetensors object of ours; the message says why."""
 
 
-def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: Codec = "fp32") -> bytes:
-    """Serialize float tensors in the codec's wire form; other dtypes travel unchanged."""
-    return encode_wire(to_wire(tensors, codec), metadata, codec)
+def encode(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], codec: Codec = "fp32", topk: TopkSettings | None = None
+) -> bytes:
+    """Serialize float tensors in the codec's wire form (`topk`: the run's settings for that codec);
+    other dtypes travel unchanged."""
+    return encode_wire(to_wire(tensors, codec, topk), metadata, codec)
 
 
 def encode_wire(wire: dict[str, torch.Tensor], metadata: dict[str, str], codec: Codec) -> bytes:
@@ -313,6 +316,8 @@ class TensorFileWriter:
         goes, by wire name: the floats and scales appended, the packed integers deflated as they
         come, the shape written now, once."""
         streams: dict[str, PartStream | DeflatedStream] = {}
+        if name + ".topk" in wire:
+            return self._sparse(name, shape, wire)
         for key, t in wire.items():
             if key == name:
                 streams[key] = self.stream(key, t.dtype, shape)
@@ -325,6 +330,16 @@ class TensorFileWriter:
             else:
                 raise ValueError(f"tensor {name!r}: no wire entry {key!r} in a codec's form")
         return streams
+
+    def _sparse(self, name: str, shape: list[int], wire: dict[str, torch.Tensor]) -> dict[str, PartStream]:
+        """`coded` for the `topk` form: positions, values and scales appended chunk by chunk, the
+        shape and the layout written now."""
+        if set(wire) != {name + p for p in sparse.PARTS}:
+            raise ValueError(f"tensor {name!r}: wire entries {sorted(wire)} are not the topk form's")
+        sizes = sparse.sizes(shape, sparse.Layout.read(wire[name + ".topk"]))
+        self.add(name + ".shape", torch.tensor(shape, dtype=torch.int64))
+        self.add(name + ".topk", wire[name + ".topk"])
+        return {name + p: self.stream(name + p, wire[name + p].dtype, [sizes[p]]) for p in (".idx", ".val", ".scale")}
 
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         self.parts[name] = self._entry(name, tensor)
@@ -423,8 +438,11 @@ class TensorFile:
     Each read maps the file afresh and lets go of it: a mapping kept open keeps every page it
     touched resident, so reading K files side by side would hold K files in memory."""
 
-    def __init__(self, path: Path, body_sha256: str):
+    def __init__(self, path: Path, body_sha256: str, topk: TopkSettings | None = None):
+        """`topk`: the run's settings for that codec; a `topk` tensor coded otherwise is refused
+        where it is read (None: any layout a writer could make)."""
         self.path = path
+        self.topk = topk
         with open(path, "rb") as fh:
             size = fh.seek(0, 2)
             fh.seek(0)
@@ -472,7 +490,7 @@ class TensorFile:
         with safe_open(self.path, framework="pt") as fh:
             parts = {p: fh.get_tensor(p) for p in self.plan[name]}
         try:
-            return decode_one(name, parts, self.codec, shape_wanted)
+            return decode_one(name, parts, self.codec, shape_wanted, self.topk)
         except ValueError as exc:
             raise CodecError(str(exc)) from exc
 
@@ -527,19 +545,61 @@ class TensorFile:
                 raise
             raise CodecError(f"tensor {name!r}: {exc}") from exc
 
+    def _declared_shape(self, fh, shape_name: str, shape_wanted: tuple[int, ...] | None) -> list[int]:
+        """The dims a coded tensor's `.shape` part declares, checked against `shape_wanted`."""
+        shape_info = self._table[shape_name]
+        if shape_info["dtype"] != "I64" or len(shape_info["shape"]) != 1:
+            raise ValueError(".shape must be a 1-D int64 tensor")
+        dims = self._read(fh, shape_name, 0, shape_info["shape"][0]).tolist()
+        if shape_wanted is not None and tuple(dims) != tuple(shape_wanted):
+            raise ValueError(f"wrong shape: {tuple(dims)} instead of {tuple(shape_wanted)}")
+        check_shape(dims)
+        return dims
+
+    def _sparse_chunks(
+        self, name: str, parts: tuple[str, ...], step: int, shape_wanted: tuple[int, ...] | None
+    ) -> Iterator[torch.Tensor]:
+        """`chunks` of a `topk` tensor: the top-k chunks that cover each run of `step` values are
+        read (by their byte offsets: every whole chunk's parts have the same size) and decoded,
+        and the run cut from them, so any `step` reads the same values."""
+        by_suffix = dict(zip(sparse.PARTS, parts))
+        with open(self.path, "rb") as fh:
+            dims = self._declared_shape(fh, by_suffix[".shape"], shape_wanted)
+            info = self._table[by_suffix[".topk"]]
+            sparse.check_part(".topk", _TORCH_DTYPES[info["dtype"]], tuple(info["shape"]), 3)
+            layout = sparse.Layout.read(self._read(fh, by_suffix[".topk"], 0, 3))
+            if self.topk is not None and layout != sparse.Layout.of(self.topk):
+                wanted = sparse.layout_text(sparse.Layout.of(self.topk))
+                raise ValueError(f"coded with {sparse.layout_text(layout)}, where the run sets {wanted}")
+            for suffix, want in sparse.sizes(dims, layout).items():
+                info = self._table[by_suffix[suffix]]
+                sparse.check_part(suffix, _TORCH_DTYPES[info["dtype"]], tuple(info["shape"]), want)
+            numel = math.prod(dims)
+            for start in range(0, numel, step):
+                stop = min(numel, start + step)
+                c0, c1 = start // layout.chunk, -(-stop // layout.chunk)
+                (i0, v0), (i1, v1) = layout.offsets(numel, c0), layout.offsets(numel, c1)
+                values = sparse.decode_chunks(
+                    numel,
+                    layout,
+                    c0,
+                    c1,
+                    self._read(fh, by_suffix[".idx"], i0, i1),
+                    self._read(fh, by_suffix[".val"], v0, v1),
+                    self._read(fh, by_suffix[".scale"], c0, c1),
+                )
+                yield values[start - c0 * layout.chunk : stop - c0 * layout.chunk]
+
     def _coded_chunks(
         self, name: str, parts: tuple[str, ...], step: int, shape_wanted: tuple[int, ...] | None
     ) -> Iterator[torch.Tensor]:
+        if self.codec in SPARSE_CODECS:
+            yield from self._sparse_chunks(name, parts, step, shape_wanted)
+            return
         integers, scale_name, shape_name = parts
         bits = BITS[self.codec]
         with open(self.path, "rb") as fh:
-            shape_info = self._table[shape_name]
-            if shape_info["dtype"] != "I64" or len(shape_info["shape"]) != 1:
-                raise ValueError(".shape must be a 1-D int64 tensor")
-            dims = self._read(fh, shape_name, 0, shape_info["shape"][0]).tolist()
-            if shape_wanted is not None and tuple(dims) != tuple(shape_wanted):
-                raise ValueError(f"wrong shape: {tuple(dims)} instead of {tuple(shape_wanted)}")
-            check_shape(dims)
+            dims = self._declared_shape(fh, shape_name, shape_wanted)
             numel = math.prod(dims)
             n_blocks, want_bytes = -(-numel // BLOCK), integer_bytes(numel, bits)
             int_dtype = "U8" if bits < 8 else "I8"

@@ -615,7 +615,7 @@ def encode_delta(
         for name in list(pending):
             tensor = pending.pop(name)
             old = {name: session.residual[name]} if name in session.residual else {}
-            wire, _, new = compress_with_feedback({name: tensor}, old, codec)
+            wire, _, new = compress_with_feedback({name: tensor}, old, codec, session.config.topk)
             for part, value in wire.items():
                 writer.add(part, value)
             for part, value in new.items():
