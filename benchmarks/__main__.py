@@ -15,7 +15,8 @@ model at the quality and utilization bars, `--only hf`) and `gpu` (a GPU learner
 MFU, and the merge of 1B-parameter deltas, `--only gpu`; benchmarks.gpu). The suite's
 `learner_memory` is a learner's peak memory over its model's bytes at 10M, 100M and 180M
 parameters (--quick: 2M), each in a process of its own; `large_run` is a real two-learner run of
-the 180M model, judged on its processes' peak memory and `islands audit --replay`; `simulation`
+the 180M model, judged on its processes' peak memory and `islands audit --replay`; `merge_memory`
+is the synchronizer's merge at 100M and 1B parameters (--quick: 20M and 80M); `simulation`
 is `islands simulate` on the paper's configs beside its figures, and on a recorded run beside
 what it recorded (seconds: nothing is trained).
 Each benchmark also runs alone: `python -m benchmarks.<name> [--quick]`. A benchmark that
@@ -76,6 +77,7 @@ BENCHMARKS = {
     "faults": faults.run,
     "utilization": utilization.run,
     "dataplane": dataplane.run,
+    "merge_memory": dataplane.run_memory,
     "learner_memory": learner_memory.run,
     "large_run": large_run.run,
     "simulation": simulation.run,
@@ -89,11 +91,13 @@ SUITE = (
     "faults",
     "utilization",
     "dataplane",
+    "merge_memory",
     "learner_memory",
     "large_run",
     "simulation",
 )
-NO_STACK = {"learner_memory", "simulation"}  # parts that run no stack of their own: they need no new one
+# Parts that run no stack of their own: they need no new one.
+NO_STACK = {"merge_memory", "learner_memory", "simulation"}
 ORDER = [*SUITE, *(name for name in BENCHMARKS if name not in SUITE)]  # of the results file's sections
 PART_MINUTES, QUICK_MINUTES = 25, 3
 

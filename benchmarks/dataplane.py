@@ -15,14 +15,14 @@ share is where the copies into fresh memory show.
 Each K runs three times (a child each time) and the row is the median ratio: a single run here
 varies by ±0.5.
 
-Then the merge's memory at two model sizes (100M and 1B parameters; `--quick`: 20M and 80M, int8
-alone): synthetic θ, outer state and K = 4 deltas (fp32 and int8) in a file:// store, written a
+`run_memory`, the suite's `merge_memory` part, is the merge's memory at two model sizes (100M and
+1B parameters; `--quick`: 20M and 80M, int8 alone): synthetic θ, outer state and K = 4 deltas (fp32 and int8) in a file:// store, written a
 chunk at a time; a child process reads, validates and merges them as the synchronizer does
 (RoundState.read_parent, collect.inspect_all, merge_step.apply_merge, publish.write_objects) and
 reports its peak resident memory over its resident memory before it began (VmHWM − VmRSS). The
 merge streams (synchronizer.chunk_mb at a time), so the figure is the same at every size: the
 ratio between sizes is a row too. At 1B the inputs and outputs take ~55 GB of the temporary
-folder's disk. `--sizes 100M 1B` measures that alone.
+folder's disk. `python -m benchmarks.dataplane --sizes 100M 1B` prints its rows alone.
 """
 
 from __future__ import annotations
@@ -307,13 +307,11 @@ def endpoint_row(k: int, moto: dict, weed: dict) -> Row:
 
 def run(quick: bool) -> Result:
     cfg, ks, repeats = (QUICK, (2, 4), 1) if quick else (FULL, (2, 4, 8), 3)
-    sizes, codecs = (["20M", "80M"], ["int8"]) if quick else (["100M", "1B"], ["fp32", "int8"])
     params = sum(s.numel() for s in shapes(cfg).values())
     model_bytes = 4 * params
     res = Result(
         "dataplane",
-        settings={"model": cfg.__dict__, "params": params, "K": ks, "codec": "fp32", "repeats": repeats}
-        | {"memory": {"sizes": sizes, "codecs": codecs, "K": 4, "chunk_mb": 64}},
+        settings={"model": cfg.__dict__, "params": params, "K": ks, "codec": "fp32", "repeats": repeats},
     )
     with tempfile.TemporaryDirectory() as tmp:
         on = {name: measure_on(server, cfg, ks, repeats) for name, server in endpoints(Path(tmp)).items()}
@@ -334,9 +332,19 @@ def run(quick: bool) -> Result:
         )
     for k in ks:
         res.rows.append(endpoint_row(k, on["moto"][f"k{k}"], on["seaweedfs"][f"k{k}"]))
-    res.raw["memory"] = {codec: {size: memory_at(SIZES[size], 4, codec) for size in sizes} for codec in codecs}
-    res.rows += memory_rows(res.raw["memory"])
     return res
+
+
+def run_memory(quick: bool) -> Result:
+    """The `merge_memory` part: the merge's peak memory at two model sizes."""
+    sizes, codecs = (["20M", "80M"], ["int8"]) if quick else (["100M", "1B"], ["fp32", "int8"])
+    return memory_result(sizes, codecs, 64)
+
+
+def memory_result(sizes: list[str], codecs: list[str], chunk_mb: int) -> Result:
+    got = {codec: {size: memory_at(SIZES[size], 4, codec, chunk_mb) for size in sizes} for codec in codecs}
+    settings = {"sizes": sizes, "codecs": codecs, "K": 4, "chunk_mb": chunk_mb}
+    return Result("merge_memory", rows=memory_rows(got), raw=got, settings=settings)
 
 
 def memory_rows(got: dict[str, dict[str, dict]]) -> list[Row]:
@@ -347,7 +355,7 @@ def memory_rows(got: dict[str, dict[str, dict]]) -> list[Row]:
         for size, m in at.items():
             rows.append(
                 at_most(
-                    f"dataplane: merge peak RSS over idle, MiB, {size} ({m['params'] / 1e6:.0f}M), K=4, {codec}",
+                    f"merge memory: peak RSS over idle, MiB, {size} ({m['params'] / 1e6:.0f}M), K=4, {codec}",
                     m["peak_rss_over_idle"] / 2**20,
                     1024.0,
                 )
@@ -355,7 +363,7 @@ def memory_rows(got: dict[str, dict[str, dict]]) -> list[Row]:
         for a, b in zip(at, list(at)[1:]):
             rows.append(
                 within(
-                    f"dataplane: merge peak RSS over idle, {b} / {a}, K=4, {codec}",
+                    f"merge memory: peak RSS over idle, {b} / {a}, K=4, {codec}",
                     at[b]["peak_rss_over_idle"] / at[a]["peak_rss_over_idle"],
                     1.0,
                     0.25,
@@ -503,11 +511,10 @@ def memory_at(params: int, k: int = 4, codec: str = "fp32", chunk_mb: int = 64) 
 
 
 def memory_report(sizes: list[str], codecs: list[str], chunk_mb: int) -> bool:
-    """Print `memory_rows` for these sizes and codecs; True when every row holds."""
-    got = {codec: {size: memory_at(SIZES[size], 4, codec, chunk_mb) for size in sizes} for codec in codecs}
-    rows = memory_rows(got)
-    print(table([Result("dataplane", rows=rows)]), flush=True)
-    return all(row.holds for row in rows)
+    """Print the merge's memory rows for these sizes and codecs; True when every row holds."""
+    res = memory_result(sizes, codecs, chunk_mb)
+    print(table([res]), flush=True)
+    return all(row.holds for row in res.rows)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def test_table_rows_say_yes_or_no_against_their_bar():
 
 def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane", "--out", str(tmp_path)]
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "dataplane", "--only", "merge_memory"]
+        + ["--out", str(tmp_path)]
         + ["--results", str(tmp_path / "results")],
         capture_output=True,
         text=True,
@@ -42,10 +43,11 @@ def test_quick_dataplane_prints_one_table_with_numbers(tmp_path):
     # throughput and memory at K=2 and K=4, SeaweedFS against moto at each, the merge's memory at
     # two sizes and their ratio, the suite's own time
     assert len(rows) == 10
+    assert sum(row.startswith("| merge memory:") for row in rows) == 3
     assert rows[-1].startswith("| time: --quick suite, minutes |")
     for row in rows:
         _, name, ours, bar, holds, _ = (c.strip() for c in row.split("|"))
-        assert name.startswith(("dataplane:", "time:"))
+        assert name.startswith(("dataplane:", "merge memory:", "time:"))
         assert re.fullmatch(r"-?\d+(\.\d+)?(e[-+]?\d+)?", ours), row
         if "SeaweedFS / moto" in name:
             assert bar.startswith("none:") and holds == "—", row
@@ -137,6 +139,7 @@ def test_a_part_keeps_the_stack_only_when_it_reads_the_part_before_it(tmp_path, 
         "utilization",
         "new stack",
         "dataplane",
+        "merge_memory",
         "learner_memory",
         "new stack",
         "large_run",

@@ -83,8 +83,8 @@ def test_a_part_run_alone_replaces_its_section_and_keeps_the_others(tmp_path, mo
         )
     runs = read_json(tmp_path)["runs"]
     assert [[p["name"] for p in r["parts"]] for r in runs] == [
-        ["quality", "quality_robust", "faults", "utilization", "dataplane", "learner_memory", "large_run"]
-        + ["simulation"],
+        ["quality", "quality_robust", "faults", "utilization", "dataplane", "merge_memory", "learner_memory"]
+        + ["large_run", "simulation"],
         ["wire", "codec"],
     ]
     assert runs[1]["time_row"] is None  # two full-size parts: each part's own time row, no run row
