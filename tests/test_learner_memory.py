@@ -63,20 +63,22 @@ def test_a_checkpoint_is_spooled_through_the_regions_cache_and_a_damaged_copy_re
     assert third.path.read_bytes() == data and region.get(layout.cache_key("run", ref.key)) == data
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "topk"])
 def test_a_delta_written_tensor_by_tensor_is_the_object_and_residual_of_the_whole_dict(tmp_path, codec):
     from islands.core.compress import compress_with_feedback
+    from islands.core.config import TopkSettings
     from islands.storage.codec import encode_wire
     from islands.tasks.train_phase import encode_delta
 
     gen = torch.Generator().manual_seed(0)
     delta = {f"layer{i}.w": torch.randn(300, 7, generator=gen) * 1e-3 for i in range(3)}
     residual = {n: torch.randn(t.shape, generator=gen) * 1e-5 for n, t in delta.items()} if codec != "fp32" else {}
-    wire, _, expected_residual = compress_with_feedback(delta, residual, codec)
+    topk = TopkSettings(chunk=256, k=8)
+    wire, _, expected_residual = compress_with_feedback(delta, residual, codec, topk)
     expected = encode_wire(wire, {"phase": "4", "run": "r"}, codec)
 
     session = SimpleNamespace(
-        config=SimpleNamespace(codec=codec, carry=True), residual=dict(residual), scratch=tmp_path
+        config=SimpleNamespace(codec=codec, carry=True, topk=topk), residual=dict(residual), scratch=tmp_path
     )
     (tmp_path / "phase").mkdir()
     obj, new_residual, kept = encode_delta(

@@ -75,7 +75,8 @@ def add_run_flags(parser: argparse.ArgumentParser, model: type[BaseModel] = RunC
         if kind is bool:
             group.add_argument(_flag(path), action=argparse.BooleanOptionalAction, **common)
         elif origin is Literal:
-            group.add_argument(_flag(path), choices=typing.get_args(kind), **common)
+            choices = typing.get_args(kind)  # strings, or numbers (topk.value_bits) read as such
+            group.add_argument(_flag(path), choices=choices, type=type(choices[0]), **common)
         elif origin is list:
             group.add_argument(_flag(path), metavar="A,B,…", **common)
         elif origin is dict:
