@@ -135,8 +135,7 @@ def _pack(bits: torch.Tensor) -> torch.Tensor:
 
 def _unpack(data: torch.Tensor, bits: int) -> torch.Tensor:
     """(m, B) bytes as (m, bits) bits; ValueError when a padding bit after them is set."""
-    out = ((data[..., None].to(torch.int32) >> torch.arange(8, dtype=torch.int32)) & 1).to(torch.uint8)
-    out = out.reshape(data.shape[0], -1)
+    out = ((data[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(data.shape[0], -1)  # a byte a bit
     if out[:, bits:].any():
         raise ValueError("padding bits are set")
     return out[:, :bits]
