@@ -23,7 +23,7 @@ from benchmarks.heldout import BATCH, PRESET
 from benchmarks.inprocess import Budget, learner_trainers
 from islands.core.codecs import Codec
 from islands.core.compress import compress_with_feedback
-from islands.core.config import MergeSettings, QuorumSettings
+from islands.core.config import MergeSettings, QuorumSettings, TopkSettings
 from islands.core.inner import InnerTrainer, carried
 from islands.core.merge import Candidate, encode_update, merge_round, plan_merge
 from islands.core.model import build_model, params_of
@@ -46,6 +46,7 @@ class Schedule:
     away: int = 0  # learners of the run that never send a delta (dead throughout), beyond `speeds`
     codec: Codec = "fp32"  # the deltas' codec
     update_codec: Codec | None = None  # the rounds' update codec; None: θ_r is the merge's result as it is
+    topk: TopkSettings | None = None  # the topk codec's settings, where either codec is topk
 
     def steps_for(self, speed: float) -> int:
         return phase_steps(self.h, speed, list(self.speeds)) if self.paced else self.h
@@ -178,7 +179,7 @@ class Replay:
         """End `L`'s phase: its delta goes through the codec with its error feedback, as a learner
         sends it, and arrives at `t_end`."""
         delta = L.trainer.delta(L.base)
-        _, sent, L.residual = compress_with_feedback(delta, L.residual, self.schedule.codec)
+        _, sent, L.residual = compress_with_feedback(delta, L.residual, self.schedule.codec, self.schedule.topk)
         tokens = L.done * BATCH * self.block
         self.pending.append(_Arrival(t_end, L.name, L.phase, L.base_round, tokens, t_end - L.phase_started, sent))
         L.unmerged[L.phase] = delta
@@ -235,7 +236,7 @@ class Replay:
                 theta = merged_theta
             else:
                 _, theta, self.update_residual = encode_update(
-                    theta, merged_theta, self.update_residual, self.schedule.update_codec
+                    theta, merged_theta, self.update_residual, self.schedule.update_codec, self.schedule.topk
                 )
         self.merged.append([w.staleness for w in weighted])
         self.pending = [a for a in self.pending if a.at > now]
