@@ -11,6 +11,7 @@ import torch
 from benchmarks.dataplane import memory_at
 from islands.core.codecs import CODECS
 from islands.core.compress import residual_state
+from islands.core.config import TopkSettings
 from islands.core.merge import RESIDUAL_DTYPE, encode_update, merge_round
 from islands.storage import layout
 from islands.storage.codec import decode, encode, encode_state, encode_wire
@@ -40,7 +41,7 @@ class _Parent:
         return set()
 
 
-@pytest.mark.parametrize("update_codec", [c for c in CODECS if c != "topk"])  # topk: tests/test_sparse.py
+@pytest.mark.parametrize("update_codec", CODECS)
 @pytest.mark.parametrize("first_round", [False, True])
 def test_the_merge_by_chunks_gives_the_whole_tensor_merges_bits(tmp_path, monkeypatch, update_codec, first_round):
     """θ_{r−1} and the outer state (momentum and a residual) spooled from the store, four deltas
@@ -48,7 +49,7 @@ def test_the_merge_by_chunks_gives_the_whole_tensor_merges_bits(tmp_path, monkey
     the momentum, the update and the residual are the bytes of merge_round and encode_update."""
     monkeypatch.setattr(RoundState, "chunk_values", property(lambda self: 1000))
     stores = Stores(f"file://{tmp_path}/{{bucket}}", REGIONS)
-    conf = config(4).model_copy(update={"update_codec": update_codec})
+    conf = config(4).model_copy(update={"update_codec": update_codec, "topk": TopkSettings(chunk=128, k=8)})
     theta, momentum = rand(1, 0.02), None if first_round else rand(2, 1e-3)
     residual = (
         {} if first_round or update_codec == "fp32" else {n: t.to(RESIDUAL_DTYPE) for n, t in rand(3, 1e-4).items()}
@@ -79,7 +80,7 @@ def test_the_merge_by_chunks_gives_the_whole_tensor_merges_bits(tmp_path, monkey
     target, want_momentum = merge_round(
         theta, momentum, [deltas[w.candidate.learner] for w in weighted], [w.weight for w in weighted], conf.merge
     )
-    wire, want_model, want_residual = encode_update(theta, target, residual, update_codec)
+    wire, want_model, want_residual = encode_update(theta, target, residual, update_codec, conf.topk)
     assert got[0] == encode_state(want_model, checkpoint_metadata(RUN, 1))
     assert got[1] == encode_wire(wire, update_metadata(RUN, 1, update_codec), update_codec)
     if update_codec.startswith("int"):
@@ -91,8 +92,12 @@ def test_the_merge_by_chunks_gives_the_whole_tensor_merges_bits(tmp_path, monkey
 @pytest.mark.slow
 def test_the_merges_peak_memory_is_the_same_at_four_times_the_model():
     """K = 4 synthetic fp32 deltas of a 20M- and an 80M-parameter model (an embedding of 50257
-    rows the largest tensor), merged in a child process with chunk_mb = 2: its peak resident
-    memory over its idle memory is the same within 25%, and a fixed multiple of chunk_mb."""
-    small, large = (memory_at(n, 4, "fp32", chunk_mb=2)["peak_rss_over_idle"] for n in (20_000_000, 80_000_000))
-    assert abs(large / small - 1) <= 0.25, (small, large)
-    assert large < 128 * 2 * 2**20, large  # the 80M model is 320 MB in fp32; four deltas 1.3 GB
+    rows the largest tensor), merged in a child process with chunk_mb = 8: its peak resident
+    memory over its idle memory is the same within 25% or within four chunks, and a fixed
+    multiple of chunk_mb. Two deltas are inspected at once, each holding a chunk and its float64
+    copy for the norm: whether the two threads hold theirs at the same moment is up to the
+    scheduler, which moved the 80M peak by ~30 MiB between runs (77 or 107 MiB)."""
+    chunk = 8 * 2**20
+    small, large = (memory_at(n, 4, "fp32", chunk_mb=8)["peak_rss_over_idle"] for n in (20_000_000, 80_000_000))
+    assert abs(large - small) <= max(0.25 * small, 4 * chunk), (small, large)
+    assert large < 32 * chunk, large  # the 80M model is 320 MB in fp32; four deltas 1.3 GB

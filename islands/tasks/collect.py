@@ -204,7 +204,7 @@ def _judge(state: RoundState, region: str, key: str, size: int, path: Path, know
     dup = state.consumed_shas.get(sha)
     if dup is not None:
         raise Invalid(f"duplicate of consumed delta {dup}")
-    delta = TensorFile(path, got.body_sha256)
+    delta = TensorFile(path, got.body_sha256, state.config.topk)
     known["body_sha256"] = body = got.body_sha256  # tensor bytes that read as such, and no others
     dup = state.consumed_bodies.get(body)
     if dup is not None:

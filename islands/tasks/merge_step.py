@@ -125,7 +125,7 @@ def _merge_tensor(state, name, files, weights, weighted, by_id, rule, model, upd
         del m  # written: one chunk fewer held while the update is encoded
         dtype = parent.dtype
         parts, rebuilt, kept = encode_update_chunk_(
-            name, parent, param, next(carried) if carried is not None else None, codec
+            name, parent, param, next(carried) if carried is not None else None, codec, state.config.topk
         )
         del param  # used up by the encoding
         if theta_part is None:
