@@ -1,6 +1,7 @@
-"""End to end: a run whose deltas travel as `topk` (learners encode them with error feedback,
-the synchronizer checks and merges them a run of values at a time) publishes its rounds, its
-held-out loss falls, and `islands audit --replay` recomputes every round's bits."""
+"""End to end: a run whose deltas and updates travel as `topk` (learners encode their deltas
+and the synchronizer its updates with error feedback; it checks and merges the deltas a run of
+values at a time) publishes its rounds, its held-out loss falls, and `islands audit --replay`
+recomputes every round's bits."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def env(islands_stack):
     return {**os.environ, **s.env(), "ISLANDS_HOME": str(home)}
 
 
-@pytest.mark.parametrize("update_codec", ["int4"])
+@pytest.mark.parametrize("update_codec", ["topk"])
 def test_a_run_of_sparse_deltas_trains_and_replays(env, update_codec):
     run_id = f"sparse-{update_codec}"
     summary = islands(env, *run_args(run_id, STACK_REGIONS, ROUNDS), *SPARSE, "--update-codec", update_codec)
