@@ -194,3 +194,16 @@ def test_a_learner_with_recorded_phase_times_takes_each_phase_its_own_time():
     assert simulate(plain).decoupled.rounds == 9
     with pytest.raises(ValueError, match="phase_step_s: at most 1 lists"):
         Region.model_validate(region | {"phase_step_s": [[1.0], [2.0]]})
+
+
+def test_topk_deltas_and_updates_weigh_what_the_codec_sends():
+    """A sparse codec's bits come from its settings (positions, values and a scale a chunk): the
+    defaults' 0.16 bit a parameter, and more with 8-bit values."""
+    from islands.core.config import TopkSettings
+
+    assert wire_bits("topk") == pytest.approx(0.16, abs=0.005)
+    assert wire_bits("topk", TopkSettings(value_bits=8)) > wire_bits("topk")
+    cfg = config(run={"codec": "topk", "update_codec": "topk"})
+    dense = simulate(config(run={"codec": "int4", "update_codec": "int4"})).decoupled
+    sparse = simulate(cfg).decoupled
+    assert sparse.rounds == dense.rounds and sparse.mean_gbps < dense.mean_gbps / 20

@@ -55,7 +55,7 @@ from typing import Annotated
 
 from pydantic import Field, ValidationError, model_validator
 
-from islands.core.codecs import FLOAT_CODECS, Codec, bits_of
+from islands.core.codecs import FLOAT_CODECS, SPARSE_CODECS, Codec, bits_of
 from islands.core.config import (
     _FINITE,
     DAY_S,
@@ -64,6 +64,7 @@ from islands.core.config import (
     ConfigError,
     MergeSettings,
     QuorumSettings,
+    TopkSettings,
     _Section,
     explain,
     read_toml,
@@ -71,13 +72,17 @@ from islands.core.config import (
 from islands.core.merge import Candidate, plan_merge
 from islands.core.pace import credible, phase_steps
 from islands.core.quorum import HISTORY, LearnerHistory, decide, history_of, quorum_arrivals
+from islands.core.sparse import Layout, bits_per_value
 
 YEAR_H = 24 * 365.0
 
 
-def wire_bits(codec: Codec) -> float:
-    """Bits a value travels as: a float's width, or an integer's bits and its share of a block's
-    bfloat16 scale (islands.core.compress: 16 bits per 128 values)."""
+def wire_bits(codec: Codec, topk: TopkSettings | None = None) -> float:
+    """Bits a value travels as: a float's width, an integer's bits and its share of a block's
+    bfloat16 scale (islands.core.compress: 16 bits per 128 values), or topk's positions, values
+    and scale over a whole chunk (islands.core.sparse, with `topk`'s settings or the default ones)."""
+    if codec in SPARSE_CODECS:
+        return bits_per_value(Layout.of(topk or TopkSettings()))
     if codec in FLOAT_CODECS:
         return 32.0 if codec == "fp32" else 16.0
     return bits_of(codec) + 16 / 128
@@ -169,6 +174,7 @@ class SimConfig(_Section):
     run: RunSim = Field(default_factory=RunSim)
     quorum: QuorumSettings = Field(default_factory=QuorumSettings)
     merge: MergeSettings = Field(default_factory=MergeSettings)
+    topk: TopkSettings = Field(default_factory=TopkSettings)
     faults: Faults = Field(default_factory=Faults)
     baselines: Baselines = Field(default_factory=Baselines)
 
@@ -456,9 +462,11 @@ class Decoupled:
         self.rates: dict[str, float] = {}
         self.pace_rate: list[float | None] = [None]
         self.delta_bits = (
-            cfg.run.params * wire_bits(cfg.run.codec) if cfg.run.delta_bytes is None else 8 * cfg.run.delta_bytes
+            cfg.run.params * wire_bits(cfg.run.codec, cfg.topk)
+            if cfg.run.delta_bytes is None
+            else 8 * cfg.run.delta_bytes
         )
-        self.update_bits = cfg.run.params * wire_bits(cfg.run.update_codec)
+        self.update_bits = cfg.run.params * wire_bits(cfg.run.update_codec, cfg.topk)
         # Round r is visible in region g from visible[g][r] on.
         self.visible: dict[str, list[float]] = {r.name: [0.0] for r in cfg.regions}
         self.records: list[RoundRecord] = []
@@ -904,7 +912,7 @@ def compare(rounds: list[RecordedRound], cfg: SimConfig, result: Result) -> dict
     """The recorded run's rounds, closings and delta bytes beside the simulation's, with the
     relative error of each."""
     sim = result.decoupled.records
-    bytes_per = cfg.run.delta_bytes or cfg.run.params * wire_bits(cfg.run.codec) / 8
+    bytes_per = cfg.run.delta_bytes or cfg.run.params * wire_bits(cfg.run.codec, cfg.topk) / 8
     real = {
         "rounds": len(rounds),
         "closings": {k: sum(r.closed_by == k for r in rounds) for k in sorted({r.closed_by for r in rounds})},
