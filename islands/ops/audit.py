@@ -425,7 +425,7 @@ class _Audit:
         momentum, residual = split_residual(decode_state(parent.outer)) if parent.outer is not None else (None, {})
         params = decode_state(parent.model)
         target, new_momentum = merge_round(params, momentum, deltas, [c.weight for c in m.contributions], rule)
-        update, model, new_residual = encode_update(params, target, residual, m.update.codec, self.config.topk)
+        update, model, new_residual = encode_update(params, target, residual, m.update.codec, m.settings.topk)
         replayed_update = encode_wire(update, read_header(current.update)[1], m.update.codec)
         if sha256_hex(replayed_update) != m.update.sha256 and packed(replayed_update) == packed(current.update):
             replayed_update = current.update  # the same integers, deflated by another zlib build

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from islands.core.config import MergeSettings, QuorumSettings, RunConfig
+from islands.core.config import MergeSettings, QuorumSettings, RunConfig, TopkSettings
 
 SCHEMA_VERSION = 2
 
@@ -79,17 +79,20 @@ class Excluded(_Strict):
 
 
 class RoundSettings(_Strict):
-    """The settings a round ran with: the merge rule (what `audit --replay` recomputes the round
-    with) and the quorum rule, as the run's config gave them, and the run's number of learners,
-    which an unset quorum.max_quorum stands for."""
+    """The settings a round ran with: the merge rule and the topk codec's settings (what `audit
+    --replay` recomputes the round with: the update's error-feedback decay is in no object) and
+    the quorum rule, as the run's config gave them, and the run's number of learners, which an
+    unset quorum.max_quorum stands for. Manifests from before the topk codec name none: theirs
+    are the defaults, which no round of theirs used."""
 
     merge: MergeSettings
     quorum: QuorumSettings
     num_learners: int
+    topk: TopkSettings = Field(default_factory=TopkSettings)
 
     @classmethod
     def of(cls, config: RunConfig) -> RoundSettings:
-        return cls(merge=config.merge, quorum=config.quorum, num_learners=config.num_learners)
+        return cls(merge=config.merge, quorum=config.quorum, num_learners=config.num_learners, topk=config.topk)
 
     @property
     def max_quorum(self) -> int:
