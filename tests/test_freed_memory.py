@@ -35,6 +35,11 @@ print(json.dumps({"returned": before - rss(), "freed": 100 * (4 << 20)}))
 
 
 def returned(mode: str, env: dict[str, str] | None = None) -> float:
+    """The share of what the child freed that left its resident memory. By default the child
+    gets this process's environment without GLIBC_TUNABLES, which an islands command run in this
+    process earlier leaves set for the processes it starts."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     proc = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
