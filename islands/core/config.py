@@ -123,6 +123,11 @@ class SynchronizerSettings(_Section):
 MAX_TOPK_CHUNK = 2**18  # one MB of float32 values: every synchronizer.chunk_mb is whole top-k chunks
 
 
+# A plain integer with bounds, checked against these, rather than a Literal: the Prefect UI's run
+# form sends a choice of numbers back as text, which a Literal of ints refuses.
+TOPK_VALUE_BITS = (2, 4, 8)
+
+
 class TopkSettings(_Section):
     """The `topk` codec's settings (SparseLoCo, arXiv 2508.15706): of each chunk of a tensor's
     values, the k largest in magnitude travel, with their positions; what is left waits in the
@@ -135,9 +140,11 @@ class TopkSettings(_Section):
         description=f"Values per chunk: a power of two, at most {MAX_TOPK_CHUNK} so the synchronizer's merge chunks (synchronizer.chunk_mb) are whole chunks.",
     )
     k: int = Field(64, ge=1, description="Values sent of each chunk, the largest in magnitude (at most chunk).")
-    value_bits: Literal[2, 4, 8] = Field(
+    value_bits: int = Field(
         2,
-        description="Bits of each value sent: its sign and a magnitude on a grid of the chunk's largest (one scale per chunk).",
+        ge=min(TOPK_VALUE_BITS),
+        le=max(TOPK_VALUE_BITS),
+        description="Bits of each value sent, 2, 4 or 8: its sign and a magnitude on a grid of the chunk's largest (one scale per chunk).",
     )
     beta: float = Field(
         0.95,
@@ -148,6 +155,8 @@ class TopkSettings(_Section):
 
     @model_validator(mode="after")
     def _chunk(self) -> TopkSettings:
+        if self.value_bits not in TOPK_VALUE_BITS:
+            raise ValueError(f"value_bits: {self.value_bits} is not one of {', '.join(map(str, TOPK_VALUE_BITS))}")
         if self.chunk & (self.chunk - 1):
             raise ValueError(f"chunk: {self.chunk} is not a power of two; use one, e.g. 4096")
         if self.k > self.chunk:

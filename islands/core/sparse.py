@@ -38,11 +38,11 @@ import torch
 from torch.nn import functional as F
 
 from islands.core.codecs import check_shape
-from islands.core.config import MAX_TOPK_CHUNK, TopkSettings
+from islands.core.config import MAX_TOPK_CHUNK, TOPK_VALUE_BITS, TopkSettings
 
 SCALE_DTYPE = torch.bfloat16
 PARTS = (".idx", ".val", ".scale", ".shape", ".topk")
-VALUE_BITS = (2, 4, 8)
+VALUE_BITS = TOPK_VALUE_BITS
 
 
 @dataclass(frozen=True)
