@@ -123,8 +123,8 @@ class SynchronizerSettings(_Section):
 MAX_TOPK_CHUNK = 2**18  # one MB of float32 values: every synchronizer.chunk_mb is whole top-k chunks
 
 
-# A plain integer with bounds, checked against these, rather than a Literal: the Prefect UI's run
-# form sends a choice of numbers back as text, which a Literal of ints refuses.
+# A plain integer with bounds, checked against these, rather than a Literal: with a Literal of
+# ints in the schema, the Prefect UI's run form did not submit (its Submit stayed put).
 TOPK_VALUE_BITS = (2, 4, 8)
 
 
